@@ -1,0 +1,1 @@
+"""The specpass torch.compile backend, lowerings, and the decode loop."""

@@ -1,0 +1,63 @@
+"""The `specpass` torch.compile backend.
+
+`torch.compile(model, backend="specpass", options={...})` finds this function through the
+`torch_dynamo_backends` entry point. The backend is handed two kinds of graph:
+
+* a captured specpass decode step (`specpass.ir.capture`, what `specpass.generate` builds for the
+  compiled model): the options' pipeline runs on it, verified after every pass, and the result is
+  lowered (eager FX or CUDA graphs) and returned as the step the decode loop drives;
+* dynamo's graph of the HF model's own forward (when the compiled model is simply called): its
+  architecture is checked from the graph's module metadata and it runs unchanged, so `compiled(ids)`
+  stays the model's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from specpass.backends.lowering import lower
+from specpass.backends.options import CompileOptions
+from specpass.errors import UnsupportedArchitectureError
+from specpass.ir import SUPPORTED_ARCHITECTURES, arch_of, is_captured_step
+from specpass.rewrites import TreeAttention
+
+_SUPPORTED_MODELING = ("transformers.models.llama.", "transformers.models.qwen2.", "transformers.models.mistral.")
+
+
+def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
+    opts = CompileOptions.from_mapping(options)
+    if is_captured_step(gm):
+        return compile_step(gm, opts)
+    check_dynamo_graph(gm)
+    return gm.forward
+
+
+def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions):
+    """Run the pipeline on a captured step and lower it; the result carries the pass report."""
+    rewritten, report = opts.pipeline.run(gm)
+    device = rewritten.k_cache.device
+    tree = next((p for p in opts.pipeline if isinstance(p, TreeAttention)), None)
+    max_nodes = tree.max_nodes if tree is not None else 16
+    step = lower(rewritten, opts.lowering, device, max_nodes, rewritten.k_cache.shape[3])
+    step.report = report
+    step.arch = arch_of(rewritten)
+    step.graph_module = rewritten
+    step.max_nodes = max_nodes
+    return step
+
+
+def check_dynamo_graph(gm: torch.fx.GraphModule) -> None:
+    """Reject graphs of HF models from families specpass cannot capture."""
+    families = set()
+    for node in gm.graph.nodes:
+        for _, module_type in node.meta.get("nn_module_stack", {}).values():
+            module = getattr(module_type, "__module__", "")
+            if module.startswith("transformers.models."):
+                families.add(module)
+    unsupported = sorted(m for m in families if not m.startswith(_SUPPORTED_MODELING))
+    if unsupported:
+        raise UnsupportedArchitectureError(
+            f"specpass cannot compile modules from {unsupported}; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )

@@ -1,0 +1,68 @@
+"""The device's measured cost curve: seconds per target forward as a function of the tree size T.
+
+On a GPU verifying 64 tokens costs about as much as one; on a 2-core CPU it costs several times
+more. The decode loop cuts each drafted tree to the size that maximises expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    sizes: tuple[int, ...]  # ascending, starting at 1
+    seconds: tuple[float, ...]
+
+    def latency(self, size: int) -> float:
+        """Piecewise-linear interpolation (linear extrapolation past the last measured size)."""
+        i = bisect.bisect_left(self.sizes, size)
+        if i < len(self.sizes) and self.sizes[i] == size:
+            return self.seconds[i]
+        i = min(max(i, 1), len(self.sizes) - 1)
+        x0, x1, y0, y1 = self.sizes[i - 1], self.sizes[i], self.seconds[i - 1], self.seconds[i]
+        return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+
+    def best_size(self, expected_tokens: Sequence[float]) -> int:
+        """Tree size n maximising expected_tokens[n - 1] / latency(n)."""
+        rates = [e / self.latency(n) for n, e in enumerate(expected_tokens, start=1)]
+        return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+    def relative(self) -> dict[int, float]:
+        return {n: s / self.seconds[0] for n, s in zip(self.sizes, self.seconds)}
+
+
+def measure(step, tree: bool, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 5):
+    """Median latency of one step per size, verifying a chain of `size` tokens after `kv_len - size` cached."""
+    seconds = []
+    for size in sizes:
+        start = max(kv_len - size, 0)
+        inputs = {
+            "input_ids": torch.zeros(1, size, dtype=torch.long, device=device),
+            "positions": torch.arange(start, start + size, device=device)[None],
+            "kv_len": start + size,
+        }
+        if tree:
+            inputs["tree_mask"] = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None]
+            inputs["cache_slots"] = torch.arange(start, start + size, device=device)
+        samples = []
+        for i in range(repeats + 2):
+            _synchronize(device)
+            t0 = time.perf_counter()
+            step(**inputs)
+            _synchronize(device)
+            if i >= 2:  # the first runs warm up (and capture CUDA graphs)
+                samples.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(samples))
+    return CostCurve(tuple(sizes), tuple(seconds))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

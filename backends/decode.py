@@ -1,0 +1,166 @@
+"""The decode loop: draft a tree -> verify it in one forward -> accept the longest greedy path -> commit KV."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specpass.backends.program import SpeculativeProgram
+from specpass.drafters import Drafter, Drafting, DraftTree, accept_greedy, expected_tokens
+from specpass.errors import CacheCapacityError, InvalidParameterError
+
+TOPK = 8
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    new_tokens: int
+    target_forwards: int  # prefill included
+    seconds: float
+    finish_reason: str  # "eos", "length" or "cache_full"
+    accepted_histogram: dict[int, int] = field(default_factory=dict)  # tokens emitted per decode step
+    mean_tree_size: float = 1.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward."""
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(self.accepted_histogram.items()))
+        return (
+            f"{self.new_tokens} tokens in {self.target_forwards} target forwards (tau {self.tau:.2f}), "
+            f"{self.tokens_per_second:.1f} tokens/s, mean tree {self.mean_tree_size:.1f} nodes, "
+            f"finished by {self.finish_reason}; accepted per step {{{hist}}}"
+        )
+
+
+@dataclass(frozen=True)
+class Generation:
+    sequences: torch.Tensor  # [1, P + new_tokens]
+    stats: GenerationStats
+
+
+def check_request(input_ids: torch.Tensor, max_new_tokens: int, cache_size: int) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise InvalidParameterError("input_ids must be an int64 tensor of shape [batch, prompt_length]")
+    if input_ids.shape[0] != 1:
+        raise InvalidParameterError(f"speculative decoding runs batch size 1, got batch {input_ids.shape[0]}")
+    if input_ids.shape[1] == 0:
+        raise InvalidParameterError("the prompt is empty: give at least one token")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise InvalidParameterError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if input_ids.shape[1] > cache_size:
+        raise CacheCapacityError(
+            f"the prompt has {input_ids.shape[1]} tokens but the KV cache holds {cache_size}; "
+            "compile with a larger options['cache_size']"
+        )
+
+
+def _as_chain(tree: DraftTree) -> DraftTree:
+    """The branch through every node's first child: what a program without TreeAttention can verify."""
+    keep, node = [0], 0
+    while (nxt := next((i for i in range(node + 1, len(tree)) if tree.parents[i] == node), None)) is not None:
+        keep.append(nxt)
+        node = nxt
+    return DraftTree(
+        tuple(tree.tokens[i] for i in keep),
+        tuple(range(-1, len(keep) - 1)),
+        tuple(tree.scores[i] for i in keep),
+        tuple(tree.origins[i] for i in keep),
+    )
+
+
+def generate(
+    program: SpeculativeProgram,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    drafter: Drafter,
+) -> Generation:
+    check_request(input_ids, max_new_tokens, program.cache_size)
+    curve = program.cost_curve
+    device = program.device
+    eos = set(eos_token_ids)
+    started = time.perf_counter()
+    tokens: list[int] = input_ids[0].tolist()
+    n_prompt = len(tokens)
+
+    prompt = input_ids[0].to(device)
+    positions = torch.arange(n_prompt, device=device)
+    causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=device).tril()
+    logits = program.forward(prompt, positions, causal, start=0)  # [P, V]
+    prompt_topk = logits.topk(TOPK, dim=-1).indices.cpu()
+    tokens.append(int(prompt_topk[-1, 0]))
+    cached, forwards, sizes = n_prompt, 1, []
+    histogram: collections.Counter[int] = collections.Counter()
+    drafting = Drafting(drafter.sessions(tokens[:n_prompt], prompt_topk))
+    finish = _finished(tokens, n_prompt, max_new_tokens, eos)
+
+    while finish is None:
+        room = program.cache_size - cached
+        if room < 1:
+            finish = "cache_full"
+            break
+        remaining = max_new_tokens - (len(tokens) - n_prompt)
+        tree = drafting.draft(tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
+        if not program.tree:
+            tree = _as_chain(tree)
+        tree = tree.prefix(curve.best_size(expected_tokens(tree)))
+        depths = torch.tensor(tree.depths(), device=device)
+        logits = program.forward(
+            torch.tensor(tree.tokens, device=device), cached + depths, tree.ancestor_mask().to(device), start=cached
+        )  # [T, V]
+        topk = logits.topk(TOPK, dim=-1).indices.cpu()  # [T, k]
+        path = accept_greedy(tree, topk[:, 0].tolist())
+        program.commit(cached, path)
+        new = [tree.tokens[i] for i in path[1:]] + [int(topk[path[-1], 0])]
+        drafting.observe(tree, topk, path, tokens)
+        cached += len(path)
+        forwards += 1
+        sizes.append(len(tree))
+        emitted = _emit(tokens, new, n_prompt, max_new_tokens, eos)
+        histogram[emitted] += 1
+        finish = _finished(tokens, n_prompt, max_new_tokens, eos)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    stats = GenerationStats(
+        new_tokens=len(tokens) - n_prompt,
+        target_forwards=forwards,
+        seconds=seconds,
+        finish_reason=finish,
+        accepted_histogram=dict(histogram),
+        mean_tree_size=sum(sizes) / len(sizes) if sizes else 1.0,
+    )
+    return Generation(torch.tensor([tokens], dtype=torch.long, device=input_ids.device), stats)
+
+
+def _emit(tokens: list[int], new: list[int], n_prompt: int, max_new_tokens: int, eos: set[int]) -> int:
+    """Append accepted tokens, stopping after an EOS and at the length limit; returns how many."""
+    count = 0
+    for token in new:
+        if len(tokens) - n_prompt >= max_new_tokens:
+            break
+        tokens.append(token)
+        count += 1
+        if token in eos:
+            break
+    return count
+
+
+def _finished(tokens: list[int], n_prompt: int, max_new_tokens: int, eos: set[int]) -> str | None:
+    if tokens[-1] in eos:
+        return "eos"
+    if len(tokens) - n_prompt >= max_new_tokens:
+        return "length"
+    return None

@@ -1,0 +1,53 @@
+"""Typed, validated options of the specpass torch.compile backend."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from specpass.drafters import Drafter, default_drafter
+from specpass.errors import InvalidParameterError
+from specpass.passes import Pipeline
+from specpass.rewrites import TreeAttention
+
+LOWERINGS = ("auto", "eager", "cudagraphs")
+
+
+def default_pipeline() -> Pipeline:
+    return Pipeline(TreeAttention())
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
+    lowering: eager, cudagraphs (CUDA only) or auto (cudagraphs on CUDA, else eager);
+    cache_size: static KV-cache slots (prompt + generated tokens + one tree)."""
+
+    pipeline: Pipeline = field(default_factory=default_pipeline)
+    drafter: Drafter = field(default_factory=default_drafter)
+    lowering: str = "auto"
+    cache_size: int = 2048
+
+    def __post_init__(self):
+        if not isinstance(self.pipeline, Pipeline):
+            raise InvalidParameterError(f"options['pipeline'] must be a specpass.Pipeline, got {self.pipeline!r}")
+        if not isinstance(self.drafter, Drafter):
+            raise InvalidParameterError(f"options['drafter'] must be a specpass drafter, got {self.drafter!r}")
+        if self.lowering not in LOWERINGS:
+            raise InvalidParameterError(f"options['lowering'] must be one of {LOWERINGS}, got {self.lowering!r}")
+        if not isinstance(self.cache_size, int) or isinstance(self.cache_size, bool) or self.cache_size < 2:
+            raise InvalidParameterError(f"options['cache_size'] must be an int >= 2, got {self.cache_size!r}")
+
+    @classmethod
+    def from_mapping(cls, options: Mapping | None) -> CompileOptions:
+        if options is None:
+            return cls()
+        if isinstance(options, CompileOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise InvalidParameterError(f"options must be a dict, got {type(options).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidParameterError(f"unknown specpass option(s) {unknown}; known: {sorted(known)}")
+        return cls(**options)

@@ -1,0 +1,124 @@
+"""Capture a HF causal LM into one annotated FX graph of a static-cache decode step."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch import nn
+
+from specpass.errors import InvalidParameterError
+from specpass.ir import decode_step as ds
+from specpass.ir.arch import ArchSpec, arch_spec
+from specpass.ir.roles import META_KEY, NodeInfo, Role
+from specpass.ir.verify import verify
+
+ARCH_META = "specpass_arch"
+INPUT_NAMES = ("input_ids", "positions", "kv_len")
+
+_MODULE_ROLES: dict[type, Role] = {
+    ds.RotaryPositions: Role.ROPE,
+    ds.ApplyRope: Role.ROPE,
+    ds.CausalMask: Role.MASK,
+    ds.CacheSlots: Role.CACHE_INDEX,
+    ds.CacheWrite: Role.CACHE_WRITE,
+    ds.AttentionCore: Role.ATTENTION,
+    ds.Attention: Role.ATTENTION,
+    ds.DecoderBlock: Role.RESIDUAL,
+}
+_NAMED_ROLES = {
+    "embed_tokens": Role.EMBED,
+    "q_proj": Role.Q,
+    "k_proj": Role.K,
+    "v_proj": Role.V,
+    "o_proj": Role.O,
+    "lm_head": Role.LM_HEAD,
+}
+
+
+def _role_of_module(name: str, module_type: type) -> Role | None:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in _NAMED_ROLES:
+        return _NAMED_ROLES[leaf]
+    if module_type in _MODULE_ROLES:
+        return _MODULE_ROLES[module_type]
+    if module_type.__name__.endswith("RMSNorm"):
+        return Role.NORM
+    if module_type.__name__.endswith("MLP"):
+        return Role.MLP
+    return None
+
+
+def _layer_of(path: str) -> int | None:
+    parts = path.split(".")
+    if "layers" in parts:
+        return int(parts[parts.index("layers") + 1])
+    return None
+
+
+def _node_info(node: torch.fx.Node) -> NodeInfo:
+    if node.op == "placeholder":
+        return NodeInfo(Role.INPUT)
+    if node.op == "output":
+        return NodeInfo(Role.OUTPUT)
+    if node.op == "get_attr" and node.target in ("k_cache", "v_cache"):
+        return NodeInfo(Role.CACHE)
+    stack = node.meta.get("nn_module_stack", {})
+    layer, role = None, None
+    for name, module_type in reversed(list(stack.values())):  # innermost first
+        role = role or _role_of_module(name, module_type)
+        layer = layer if layer is not None else _layer_of(name)
+    if role is None and node.op == "call_function" and any(
+        isinstance(a, torch.fx.Node) and a.meta[META_KEY].role is Role.CACHE for a in node.args
+    ):
+        role = Role.CACHE  # self.k_cache[i]: the layer's view of the stacked cache
+    if role is None:
+        raise AssertionError(f"capture left node {node.format_node()} without a role")
+    return NodeInfo(role, layer)
+
+
+class _AnnotatingTracer(torch.fx.Tracer):
+    """Traces through every module except torch.nn leaves (Linear, Embedding, activations).
+
+    Buffers (the KV cache, rotary frequencies) become get_attr nodes, never baked-in constants.
+    """
+
+    proxy_buffer_attributes = True
+
+
+def capture(model: nn.Module, cache_size: int = 2048, batch_size: int = 1) -> torch.fx.GraphModule:
+    """Capture `model` (a supported HF causal LM) as an annotated decode-step GraphModule.
+
+    The static KV cache ([L, B, KV, cache_size, D] for keys and for values) lives in the module's
+    buffers `k_cache` / `v_cache`; `gm.meta["specpass_arch"]` holds the model's ArchSpec.
+    """
+    spec = arch_spec(model)
+    if cache_size < 2:
+        raise InvalidParameterError(f"cache_size must be >= 2, got {cache_size}")
+    if batch_size < 1:
+        raise InvalidParameterError(f"batch_size must be >= 1, got {batch_size}")
+    if spec.sliding_window is not None and cache_size > spec.sliding_window:
+        raise InvalidParameterError(
+            f"cache_size {cache_size} exceeds the model's sliding window {spec.sliding_window}; "
+            "specpass attends over full windows only, so use cache_size <= sliding_window"
+        )
+    param = next(model.parameters())
+    shape = (spec.num_layers, batch_size, spec.num_kv_heads, cache_size, spec.head_dim)
+    k_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
+    v_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
+    step = ds.DecodeStep(model, spec, k_cache, v_cache).eval()
+    tracer = _AnnotatingTracer()
+    graph = tracer.trace(step)
+    gm = torch.fx.GraphModule(step, graph, class_name="DecodeStepGraph")
+    for node in gm.graph.nodes:
+        node.meta[META_KEY] = _node_info(node)
+    gm.meta[ARCH_META] = spec
+    verify(gm)
+    return gm
+
+
+def arch_of(gm: torch.fx.GraphModule) -> ArchSpec:
+    return gm.meta[ARCH_META]
+
+
+def is_captured_step(gm: torch.fx.GraphModule) -> bool:
+    return ARCH_META in getattr(gm, "meta", {})

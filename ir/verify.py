@@ -1,0 +1,85 @@
+"""Invariants of a captured decode-step graph, checked after capture and after every pass."""
+
+from __future__ import annotations
+
+import collections
+
+import torch.fx
+
+from specpass.errors import GraphVerificationError
+from specpass.ir.roles import META_KEY, Role, info, nodes_with_role, placeholder
+
+REQUIRED_INPUTS = ("input_ids", "positions", "kv_len")
+TREE_INPUTS = ("tree_mask", "cache_slots")
+
+
+def _fail(message: str) -> None:
+    raise GraphVerificationError(message)
+
+
+def _sdpa_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [
+        n
+        for n in nodes_with_role(graph, Role.ATTENTION)
+        if n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention
+    ]
+
+
+def verify(gm: torch.fx.GraphModule) -> None:
+    """Lint the graph and check specpass's invariants; raises GraphVerificationError."""
+    graph = gm.graph
+    try:
+        graph.lint()
+    except Exception as exc:  # fx raises plain RuntimeError/AssertionError on lint failures
+        _fail(f"graph lint failed: {exc}")
+    num_layers = gm.meta["specpass_arch"].num_layers
+    for node in graph.nodes:
+        if META_KEY not in node.meta:
+            _fail(f"node {node.name} has no specpass annotation")
+        layer = info(node).layer
+        if layer is not None and not 0 <= layer < num_layers:
+            _fail(f"node {node.name} claims layer {layer}, model has {num_layers}")
+    for name in REQUIRED_INPUTS:
+        if placeholder(graph, name) is None:
+            _fail(f"missing graph input {name!r}")
+    tree_inputs = [placeholder(graph, name) for name in TREE_INPUTS]
+    if any(tree_inputs) and not all(tree_inputs):
+        _fail(f"tree inputs must come together: {TREE_INPUTS}")
+    for node in tree_inputs:
+        if node is not None and not node.users:
+            _fail(f"graph input {node.target!r} is unused")
+    _verify_layers(graph, num_layers)
+    _verify_attention(graph, num_layers)
+    outputs = [n for n in graph.nodes if n.op == "output"]
+    if len(outputs) != 1 or not isinstance(outputs[0].args[0], tuple) or len(outputs[0].args[0]) < 2:
+        _fail("the step must return (logits, hidden, ...)")
+
+
+def _verify_layers(graph: torch.fx.Graph, num_layers: int) -> None:
+    per_layer: dict[tuple[int | None, Role], int] = collections.Counter()
+    for node in graph.nodes:
+        node_info = info(node)
+        if node.op == "call_module" or (node_info.role is Role.CACHE_WRITE and node.op == "call_method"):
+            per_layer[node_info.layer, node_info.role] += 1
+    for layer in range(num_layers):
+        for role in (Role.Q, Role.K, Role.V, Role.O):
+            if per_layer[layer, role] != 1:
+                _fail(f"layer {layer} has {per_layer[layer, role]} {role.value} projections, expected 1")
+        if per_layer[layer, Role.CACHE_WRITE] != 2:
+            _fail(f"layer {layer} has {per_layer[layer, Role.CACHE_WRITE]} cache writes, expected 2 (k, v)")
+
+
+def _verify_attention(graph: torch.fx.Graph, num_layers: int) -> None:
+    sdpa = _sdpa_nodes(graph)
+    if len(sdpa) != num_layers:
+        _fail(f"expected one attention per layer ({num_layers}), found {len(sdpa)}")
+    masks = {n.kwargs.get("attn_mask") for n in sdpa}
+    if len(masks) != 1 or None in masks:
+        _fail("every attention must read the same attention mask")
+    (mask,) = masks
+    if info(mask).role is not Role.MASK:
+        _fail(f"attention mask {mask.name} is not annotated as a mask")
+    writes = [n for n in nodes_with_role(graph, Role.CACHE_WRITE) if n.op == "call_method"]
+    indices = {n.args[2] for n in writes}
+    if len(indices) != 1:
+        _fail("every cache write must use the same slot index")

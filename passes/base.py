@@ -1,0 +1,46 @@
+"""The pass contract: a pass requires graph properties, checks that it matches, rewrites, ensures properties.
+
+A pass object is an immutable value (a frozen dataclass of validated parameters). It keeps no state
+about the graphs it has seen: `check` reports why it does not match (or None), `rewrite` edits the
+graph in place and returns a PassResult.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch.fx
+
+CAPTURED = "captured_decode_step"
+
+
+@dataclass(frozen=True)
+class PassResult:
+    graph_module: torch.fx.GraphModule
+    modified: bool
+    summary: str = ""
+
+
+class Pass(ABC):
+    """Base class of every rewrite. Subclasses are frozen dataclasses of their parameters."""
+
+    requires: ClassVar[frozenset[str]] = frozenset({CAPTURED})
+    ensures: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @abstractmethod
+    def check(self, gm: torch.fx.GraphModule) -> str | None:
+        """Return None when the pass applies to `gm`, else the reason it does not."""
+
+    @abstractmethod
+    def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:
+        """Rewrite `gm` in place; only called after `check` returned None."""
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]

@@ -1,0 +1,41 @@
+"""specpass: lossless speculative decoding as torch.compile graph rewrites.
+
+Public contract: `load_default_model`, `generate`, `Pipeline`, the `rewrites` and `drafters` modules,
+and the torch.compile backend named "specpass".
+"""
+
+from specpass import drafters, rewrites
+from specpass.api import compile_program, custom_generate, generate
+from specpass.backends.decode import Generation, GenerationStats
+from specpass.backends.options import CompileOptions
+from specpass.errors import (
+    CacheCapacityError,
+    GraphVerificationError,
+    InvalidParameterError,
+    PassMismatchError,
+    PassPipelineError,
+    SpecpassError,
+    UnsupportedArchitectureError,
+)
+from specpass.models import load_default_model
+from specpass.passes import Pipeline
+
+__all__ = [
+    "CacheCapacityError",
+    "CompileOptions",
+    "Generation",
+    "GenerationStats",
+    "GraphVerificationError",
+    "InvalidParameterError",
+    "PassMismatchError",
+    "PassPipelineError",
+    "Pipeline",
+    "SpecpassError",
+    "UnsupportedArchitectureError",
+    "compile_program",
+    "custom_generate",
+    "drafters",
+    "generate",
+    "load_default_model",
+    "rewrites",
+]

@@ -1,0 +1,101 @@
+"""Drafter contract: a frozen config that starts a per-generation session proposing tree candidates."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specpass.drafters.stats import AcceptanceStats
+from specpass.drafters.tree import CandidateSource, DraftTree, build_tree
+from specpass.errors import InvalidParameterError
+
+
+class DraftSession(ABC):
+    """State of one drafter during one generation."""
+
+    stats: AcceptanceStats
+
+    @abstractmethod
+    def candidates(self, tokens: Sequence[int]) -> CandidateSource:
+        """The source of candidates for the tree rooted at tokens[-1]."""
+
+    def observe(self, tree: DraftTree, topk: torch.Tensor, path: Sequence[int], tokens: Sequence[int]) -> None:
+        """Learn from a verify step: topk [T, k] are the target's top-k tokens after each tree node."""
+
+
+class Drafter(ABC):
+    """A drafting method's parameters (a frozen dataclass); `start` opens a session for one prompt."""
+
+    @abstractmethod
+    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor) -> DraftSession:
+        """prompt_topk [P, k]: the target's top-k next tokens after every prompt token (from prefill)."""
+
+    def sessions(self, prompt: Sequence[int], prompt_topk: torch.Tensor) -> list[DraftSession]:
+        return [self.start(prompt, prompt_topk)]
+
+
+@dataclass(frozen=True, init=False)
+class Combined(Drafter):
+    """Several drafters feeding one tree; candidates compete on estimated acceptance probability."""
+
+    drafters: tuple[Drafter, ...]
+
+    def __init__(self, *drafters: Drafter):
+        if not drafters or not all(isinstance(d, Drafter) and not isinstance(d, Combined) for d in drafters):
+            raise InvalidParameterError("Combined takes one or more non-combined Drafter objects")
+        object.__setattr__(self, "drafters", tuple(drafters))
+
+    def __repr__(self) -> str:
+        return f"Combined({', '.join(map(repr, self.drafters))})"
+
+    def start(self, prompt, prompt_topk):  # pragma: no cover - Combined is expanded by `sessions`
+        raise TypeError("Combined drafters are started through sessions()")
+
+    def sessions(self, prompt, prompt_topk) -> list[DraftSession]:
+        return [d.start(prompt, prompt_topk) for d in self.drafters]
+
+
+class Drafting:
+    """Runs the sessions of one generation: builds each step's tree and feeds back what was accepted."""
+
+    def __init__(self, sessions: Sequence[DraftSession]):
+        self.sessions = list(sessions)
+
+    def draft(self, tokens: Sequence[int], max_nodes: int, max_depth: int) -> DraftTree:
+        sources = [s.candidates(tokens) for s in self.sessions]
+        return build_tree(tokens[-1], sources, max_nodes, max_depth)
+
+    def observe(self, tree: DraftTree, topk: torch.Tensor, path: Sequence[int], tokens: Sequence[int]) -> None:
+        on_path = set(path)
+        for i in range(1, len(tree)):
+            origin = tree.origins[i]
+            if origin is not None and tree.parents[i] in on_path:
+                source, key = origin
+                self.sessions[source].stats.record(key, i in on_path)
+        for session in self.sessions:
+            session.observe(tree, topk, path, tokens)
+
+
+def expected_tokens(tree: DraftTree) -> list[float]:
+    """expected[n-1]: expected tokens per step when verifying the first n nodes (bonus token included)."""
+    out, total = [], 1.0
+    for i, score in enumerate(tree.scores):
+        total += score if i > 0 else 0.0
+        out.append(total)
+    return out
+
+
+def _check_positive_int(owner: str, name: str, value: object, low: int = 1, high: int = 1 << 16) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidParameterError(f"{owner}.{name} must be an int in [{low}, {high}], got {value!r}")
+
+
+def check_params(owner: str, **params: object) -> None:
+    for name, value in params.items():
+        _check_positive_int(owner, name, value)
+
+
+__all__ = ["Combined", "DraftSession", "Drafter", "Drafting", "Hashable", "check_params", "expected_tokens"]

@@ -1,0 +1,99 @@
+"""Prompt lookup: draft the continuation of earlier occurrences of the last n tokens (PLD, CopySpec).
+
+Unlike HF's prompt lookup (one chain), every distinct continuation found becomes a branch of the tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specpass.drafters.base import Drafter, DraftSession, check_params
+from specpass.drafters.stats import AcceptanceStats
+
+
+@dataclass(frozen=True)
+class PromptLookup(Drafter):
+    """max_ngram..min_ngram: suffix lengths matched (longest first); max_branches distinct continuations
+    of up to max_depth tokens each."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    max_depth: int = 10
+    max_branches: int = 4
+
+    def __post_init__(self):
+        check_params("PromptLookup", max_ngram=self.max_ngram, min_ngram=self.min_ngram)
+        check_params("PromptLookup", max_depth=self.max_depth, max_branches=self.max_branches)
+        if self.min_ngram > self.max_ngram:
+            from specpass.errors import InvalidParameterError
+
+            raise InvalidParameterError(f"PromptLookup.min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
+
+    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor) -> DraftSession:
+        return PromptLookupSession(self)
+
+
+class PromptLookupSession(DraftSession):
+    def __init__(self, config: PromptLookup):
+        self.config = config
+        # P(next copied token accepted | previous accepted), keyed by the matched n-gram length.
+        self.stats = AcceptanceStats({1: 0.35, 2: 0.55, 3: 0.65}, default=0.65)
+        self.index: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(config.min_ngram, config.max_ngram + 1)
+        }
+        self.indexed = 0  # tokens[:indexed] have their n-grams (ending there) in the index
+
+    def _update_index(self, tokens: Sequence[int]) -> None:
+        for end in range(self.indexed, len(tokens)):
+            for n, table in self.index.items():
+                if end + 1 >= n:
+                    table.setdefault(tuple(tokens[end + 1 - n : end + 1]), []).append(end)
+        self.indexed = len(tokens)
+
+    def branches(self, tokens: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """(matched n, continuation) pairs, longest match and most recent occurrence first."""
+        self._update_index(tokens)
+        config, last = self.config, len(tokens) - 1
+        found: list[tuple[int, list[int]]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(config.max_ngram, config.min_ngram - 1, -1):
+            if len(tokens) < n:
+                continue
+            for end in reversed(self.index[n].get(tuple(tokens[last + 1 - n :]), ())):
+                if end >= last:
+                    continue
+                continuation = list(tokens[end + 1 : end + 1 + config.max_depth])
+                key = tuple(continuation)
+                if key in seen or any(s[: len(key)] == key for s in seen):
+                    continue
+                seen.add(key)
+                found.append((n, continuation))
+                if len(found) >= config.max_branches:
+                    return found
+        return found
+
+    def candidates(self, tokens: Sequence[int]):
+        return _Branches(self.branches(tokens), self.stats)
+
+
+class _Branches:
+    def __init__(self, branches: list[tuple[int, list[int]]], stats: AcceptanceStats):
+        self.branches = branches
+        self.stats = stats
+
+    def _at(self, branch: int, offset: int):
+        n, tokens = self.branches[branch]
+        if offset >= len(tokens):
+            return []
+        prob = self.stats.rate(n) / (1 + branch) if offset == 0 else self.stats.rate(n)
+        return [(tokens[offset], prob, n, (branch, offset))]
+
+    def root_candidates(self):
+        return [c for b in range(len(self.branches)) for c in self._at(b, 0)]
+
+    def child_candidates(self, token: int, state):
+        branch, offset = state
+        return self._at(branch, offset + 1)

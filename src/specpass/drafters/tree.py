@@ -1,0 +1,118 @@
+"""Draft trees and the best-first builder that merges candidates from several drafters into one tree.
+
+A draft tree's node 0 is the root: the last committed token, whose K/V is not cached yet. Every
+other node is a drafted token. Nodes are stored in insertion order and a parent always precedes its
+children, so every prefix of the node list is itself a valid tree: the decode loop cuts the tree to
+the size the device's cost curve favours.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]  # parents[0] == -1
+    scores: tuple[float, ...]  # estimated probability that the node is accepted (root: 1.0)
+    origins: tuple[tuple[int, Hashable] | None, ...]  # (source index, source key) that proposed each node
+
+    def __post_init__(self):
+        if not self.tokens or self.parents[0] != -1:
+            raise ValueError("a draft tree needs a root (parents[0] == -1)")
+        if any(not 0 <= p < i for i, p in enumerate(self.parents[1:], start=1)):
+            raise ValueError("every parent must precede its child")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        depths = [0] * len(self)
+        for i in range(1, len(self)):
+            depths[i] = depths[self.parents[i]] + 1
+        return depths
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[T, T] bool: mask[i, j] is True iff j is i or an ancestor of i."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, i] = True
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] |= mask[p]
+        return mask
+
+    def prefix(self, size: int) -> DraftTree:
+        return DraftTree(self.tokens[:size], self.parents[:size], self.scores[:size], self.origins[:size])
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @staticmethod
+    def chain(tokens: Sequence[int]) -> DraftTree:
+        n = len(tokens)
+        return DraftTree(tuple(tokens), tuple(range(-1, n - 1)), (1.0,) * n, (None,) * n)
+
+
+class CandidateSource(Protocol):
+    """A drafter's view for the builder: what may follow the root, and what may follow a node."""
+
+    def root_candidates(self) -> list[tuple[int, float, Hashable, object]]:
+        """(token, probability given the parent was accepted, stats key, continuation state)."""
+
+    def child_candidates(self, token: int, state: object) -> list[tuple[int, float, Hashable, object]]:
+        """Candidates following a node with `token` that this source proposed with `state`."""
+
+
+def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, max_depth: int) -> DraftTree:
+    """Best-first tree: repeatedly add the candidate with the highest path probability.
+
+    A candidate's score is its parent's score times the source's probability; two sources proposing
+    the same token under the same parent share one node and both continue from it.
+    """
+    tokens, parents, scores, origins, depths = [root], [-1], [1.0], [None], [0]
+    children: dict[tuple[int, int], int] = {}
+    heap: list = []
+    tie = itertools.count()
+
+    def push(parent: int, source: int, candidates) -> None:
+        if depths[parent] >= max_depth:
+            return
+        for token, prob, key, state in candidates:
+            if prob > 0.0:
+                heapq.heappush(heap, (-scores[parent] * prob, next(tie), parent, token, source, key, state))
+
+    for s, src in enumerate(sources):
+        push(0, s, src.root_candidates())
+    while heap and len(tokens) < max_nodes:
+        neg_score, _, parent, token, s, key, state = heapq.heappop(heap)
+        node = children.get((parent, token))
+        if node is None:
+            node = len(tokens)
+            children[parent, token] = node
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(-neg_score)
+            origins.append((s, key))
+            depths.append(depths[parent] + 1)
+        push(node, s, sources[s].child_candidates(token, state))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(origins))
+
+
+def accept_greedy(tree: DraftTree, predictions: Sequence[int]) -> list[int]:
+    """Longest root-to-node path whose every token equals the target's greedy choice at its parent."""
+    children: dict[tuple[int, int], int] = {}
+    for i in range(1, len(tree)):
+        children.setdefault((tree.parents[i], tree.tokens[i]), i)
+    path = [0]
+    while (nxt := children.get((path[-1], predictions[path[-1]]))) is not None:
+        path.append(nxt)
+    return path

@@ -1,0 +1,29 @@
+"""Every error specpass raises on bad input derives from SpecpassError."""
+
+
+class SpecpassError(Exception):
+    """Base class of specpass's user-facing errors."""
+
+
+class UnsupportedArchitectureError(SpecpassError):
+    """The model is not one of the architectures specpass can capture."""
+
+
+class InvalidParameterError(SpecpassError, ValueError):
+    """A pass, drafter or generation parameter is out of range."""
+
+
+class PassMismatchError(SpecpassError):
+    """A pass does not match the graph; the graph is left unchanged."""
+
+
+class PassPipelineError(SpecpassError):
+    """A pipeline cannot be ordered, or one of its passes failed (names the passes already run)."""
+
+
+class GraphVerificationError(SpecpassError):
+    """The graph violates an IR invariant."""
+
+
+class CacheCapacityError(SpecpassError):
+    """The prompt does not fit into the static KV cache."""
