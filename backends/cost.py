@@ -29,9 +29,12 @@ class CostCurve:
         x0, x1, y0, y1 = self.sizes[i - 1], self.sizes[i], self.seconds[i - 1], self.seconds[i]
         return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
 
-    def best_size(self, expected_tokens: Sequence[float]) -> int:
-        """Tree size n maximising expected_tokens[n - 1] / latency(n)."""
-        rates = [e / self.latency(n) for n, e in enumerate(expected_tokens, start=1)]
+    def best_size(self, expected_tokens: Sequence[float], overhead: float = 0.0) -> int:
+        """Tree size n maximising expected_tokens[n - 1] / (latency(n) + overhead).
+
+        overhead: seconds per step outside the target forward (drafting, acceptance, bookkeeping).
+        """
+        rates = [e / (self.latency(n) + overhead) for n, e in enumerate(expected_tokens, start=1)]
         return 1 + max(range(len(rates)), key=rates.__getitem__)
 
     def relative(self) -> dict[int, float]:

@@ -105,7 +105,9 @@ def generate(
     drafting = Drafting(drafter.sessions(tokens[:n_prompt], prompt_topk))
     finish = _finished(tokens, n_prompt, max_new_tokens, eos)
 
+    overhead = 0.0  # running estimate of a step's seconds outside the target forward
     while finish is None:
+        step_started = time.perf_counter()
         room = program.cache_size - cached
         if room < 1:
             finish = "cache_full"
@@ -114,7 +116,7 @@ def generate(
         tree = drafting.draft(tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
         if not program.tree:
             tree = _as_chain(tree)
-        tree = tree.prefix(curve.best_size(expected_tokens(tree)))
+        tree = tree.prefix(curve.best_size(expected_tokens(tree), overhead))
         depths = torch.tensor(tree.depths(), device=device)
         logits = program.forward(
             torch.tensor(tree.tokens, device=device), cached + depths, tree.ancestor_mask().to(device), start=cached
@@ -130,6 +132,8 @@ def generate(
         emitted = _emit(tokens, new, n_prompt, max_new_tokens, eos)
         histogram[emitted] += 1
         finish = _finished(tokens, n_prompt, max_new_tokens, eos)
+        outside = time.perf_counter() - step_started - curve.latency(len(tree))
+        overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)

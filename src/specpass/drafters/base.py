@@ -23,7 +23,8 @@ class DraftSession(ABC):
         """The source of candidates for the tree rooted at tokens[-1]."""
 
     def observe(self, tree: DraftTree, topk: torch.Tensor, path: Sequence[int], tokens: Sequence[int]) -> None:
-        """Learn from a verify step: topk [T, k] are the target's top-k tokens after each tree node."""
+        """Learn from a verify step: topk [T, k] are the target's top-k tokens after each tree node;
+        tokens is the sequence up to and including the tree's root."""
 
 
 class Drafter(ABC):

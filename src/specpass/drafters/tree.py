@@ -76,10 +76,12 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
     """Best-first tree: repeatedly add the candidate with the highest path probability.
 
     A candidate's score is its parent's score times the source's probability; two sources proposing
-    the same token under the same parent share one node and both continue from it.
+    the same token under the same parent share one node and both continue from it. Candidate
+    states must be hashable (a node is expanded once per source and state).
     """
     tokens, parents, scores, origins, depths = [root], [-1], [1.0], [None], [0]
     children: dict[tuple[int, int], int] = {}
+    expanded: set[tuple[int, int, object]] = set()  # (node, source, state) already pushed
     heap: list = []
     tie = itertools.count()
 
@@ -103,7 +105,9 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
             scores.append(-neg_score)
             origins.append((s, key))
             depths.append(depths[parent] + 1)
-        push(node, s, sources[s].child_candidates(token, state))
+        if (node, s, state) not in expanded:
+            expanded.add((node, s, state))
+            push(node, s, sources[s].child_candidates(token, state))
     return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(origins))
 
 

@@ -1,0 +1,228 @@
+"""`specpass bench`: tokens/s and tau of specpass against HF baselines, all measured in one run.
+
+Baselines: HF `generate` greedy (eager, dynamic cache), HF with a static cache + torch.compile (where
+it runs), HF prompt lookup (`prompt_lookup_num_tokens=10`, a chain), HF early exit
+(`assistant_early_exit`, the model's first layers as draft). specpass rows: the prompt-lookup tree,
+the token-recycling tree and both combined. Every specpass output is checked against HF greedy.
+Writes `<out>/<device>.json` and `<out>/<device>.png`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import time
+
+import torch
+
+import specpass.models
+
+BASELINES = ("hf_greedy", "hf_static_compile", "hf_prompt_lookup", "hf_early_exit")
+SPECPASS_ROWS = {"specpass_prompt_lookup": "prompt-lookup", "specpass_token_recycling": "token-recycling",
+                 "specpass_combined": "combined"}  # fmt: skip
+EARLY_EXIT_LAYER = 8
+CODE_OFFSET = 120  # evaluation prompts: HumanEval 120.. (the tests use 0..), chat: stdlib docstrings
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{os.cpu_count()}core-{platform.machine()}"
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
+class _ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_hook(self)
+
+    def __call__(self, *_):
+        self.calls += 1
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_runner(model, counter, device, name, compiled_forward):
+    kwargs = {"do_sample": False}
+    if name == "hf_prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = 10
+    if name == "hf_early_exit":
+        kwargs["assistant_early_exit"] = EARLY_EXIT_LAYER
+    if name == "hf_static_compile":
+        kwargs["cache_implementation"] = "static"
+
+    def run(ids, max_new_tokens):
+        original = model.forward
+        if compiled_forward is not None:
+            model.forward = compiled_forward
+        try:
+            counter.calls = 0
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=max_new_tokens, **kwargs)
+            _sync(device)
+            seconds = time.perf_counter() - t0
+        finally:
+            model.forward = original
+        return out, out.shape[1] - ids.shape[1], counter.calls, seconds
+
+    return run
+
+
+def _specpass_runner(model, drafter_name):
+    import specpass
+    from specpass.drafters.registry import drafter_by_name
+
+    compiled = torch.compile(model, backend="specpass", options={"drafter": drafter_by_name(drafter_name)})
+    specpass.compile_program(compiled).cost_curve  # build and measure before timing
+
+    def run(ids, max_new_tokens):
+        out = specpass.generate(compiled, ids, max_new_tokens)
+        s = out.stats
+        return out.sequences, s.new_tokens, s.target_forwards, s.seconds
+
+    return run
+
+
+def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/results", compile_baseline="auto"):
+    import specpass
+    from specpass import prompts as P
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = specpass.load_default_model(device=device)
+    counter = _ForwardCounter(model)
+    sets = {
+        "code": [P.encode_code(tokenizer, p).to(device) for p in P.code_prompts(prompts_per_set, CODE_OFFSET)],
+        "chat": [P.encode_chat(tokenizer, m).to(device) for m in P.chat_messages(prompts_per_set)],
+    }
+    runners, skipped = {}, {}
+    for name in BASELINES:
+        compiled_forward = None
+        if name == "hf_static_compile":
+            if compile_baseline == "no" or (compile_baseline == "auto" and device.type != "cuda"):
+                skipped[name] = "skipped: inductor compilation of the 30-layer model takes minutes on a 2-core CPU"
+                continue
+            compiled_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        runners[name] = _hf_runner(model, counter, device, name, compiled_forward)
+    for name, drafter in SPECPASS_ROWS.items():
+        runners[name] = _specpass_runner(model, drafter)
+    warm = sets["code"][0][:, :32]
+    for name, run in runners.items():
+        try:
+            run(warm, 8)
+        except Exception as exc:  # a baseline that does not run here is reported, not fatal
+            skipped[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    runners = {k: v for k, v in runners.items() if k not in skipped}
+
+    results = {}
+    for set_name, prompt_ids in sets.items():
+        totals = {name: [0, 0, 0.0] for name in runners}
+        mismatches = {name: 0 for name in runners if name.startswith("specpass")}
+        for ids in prompt_ids:
+            reference = None
+            for name, run in runners.items():
+                out, tokens, forwards, seconds = run(ids, max_new_tokens)
+                if name == "hf_greedy":
+                    reference = out
+                elif name in mismatches and not torch.equal(out.to(reference.device), reference):
+                    mismatches[name] += 1
+                totals[name][0] += tokens
+                totals[name][1] += forwards
+                totals[name][2] += seconds
+        greedy_rate = totals["hf_greedy"][0] / totals["hf_greedy"][2]
+        pld_rate = totals["hf_prompt_lookup"][0] / totals["hf_prompt_lookup"][2]
+        pld_tau = totals["hf_prompt_lookup"][0] / totals["hf_prompt_lookup"][1]
+        rows = {}
+        for name, (tokens, forwards, seconds) in totals.items():
+            rate = tokens / seconds
+            tau = tokens / forwards if name != "hf_early_exit" else None  # its draft forwards hit the same hook
+            rows[name] = {
+                "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(rate, 2),
+                "tau": round(tau, 3) if tau is not None else None,
+                "speedup_vs_hf_greedy": round(rate / greedy_rate, 3),
+                "speedup_vs_hf_prompt_lookup": round(rate / pld_rate, 3),
+                "tau_vs_hf_prompt_lookup": round(tau / pld_tau, 3) if tau is not None else None,
+            }  # fmt: skip
+            if name in mismatches:
+                rows[name]["outputs_differing_from_greedy"] = mismatches[name]
+        results[set_name] = rows
+
+    program = specpass.compile_program(torch.compile(model, backend="specpass"))
+    curve = program.cost_curve
+    label = device_label(device)
+    report = {
+        "device": label,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "model": specpass.models.DEFAULT_MODEL_NAME,
+        "dtype": "float32",
+        "prompts_per_set": prompts_per_set,
+        "max_new_tokens": max_new_tokens,
+        "prompt_sets": {"code": f"HumanEval[{CODE_OFFSET}:{CODE_OFFSET + prompts_per_set}] raw",
+                        "chat": f"stdlib docstring summaries [0:{prompts_per_set}], chat template"},  # fmt: skip
+        "skipped": skipped,
+        "results": results,
+        "cost_curve": {"tree_size": list(curve.sizes), "seconds": [round(s, 5) for s in curve.seconds],
+                       "relative_to_one_token": {str(k): round(v, 3) for k, v in curve.relative().items()}},  # fmt: skip
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{_slug(label)}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    _plot(report, os.path.join(out_dir, f"{_slug(label)}.png"))
+    _print(report)
+    print(f"wrote {path}")
+    return report
+
+
+def _print(report: dict) -> None:
+    print(f"device: {report['device']}  ({report['max_new_tokens']} new tokens, greedy, {report['dtype']})")
+    for set_name, rows in report["results"].items():
+        print(f"\n[{set_name}]  {'tokens/s':>9} {'tau':>6} {'vs greedy':>10} {'vs HF PLD':>10}")
+        for name, r in rows.items():
+            tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+            print(f"{name:26}{r['tokens_per_second']:>9.1f} {tau:>6} {r['speedup_vs_hf_greedy']:>9.2f}x "
+                  f"{r['speedup_vs_hf_prompt_lookup']:>9.2f}x")  # fmt: skip
+    for name, why in report["skipped"].items():
+        print(f"{name}: {why}")
+
+
+def _plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curve = report["cost_curve"]
+    ax1.plot(curve["tree_size"], list(curve["relative_to_one_token"].values()), marker="o")
+    ax1.set_xlabel("tokens verified per target forward (T)")
+    ax1.set_ylabel("latency relative to T = 1")
+    ax1.set_title("target-forward cost curve")
+    ax1.grid(True, alpha=0.3)
+    names = list(next(iter(report["results"].values())))
+    width = 0.8 / len(report["results"])
+    for i, (set_name, rows) in enumerate(report["results"].items()):
+        xs = [j + i * width for j in range(len(names))]
+        ax2.bar(xs, [rows[n]["tokens_per_second"] for n in names], width, label=set_name)
+    ax2.set_xticks([j + width / 2 for j in range(len(names))])
+    ax2.set_xticklabels([n.replace("specpass_", "sp_") for n in names], rotation=30, ha="right")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_title("decode throughput (same run)")
+    ax2.legend()
+    fig.suptitle(f"specpass on {report['device']} - {report['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,64 @@
+import torch
+
+from specpass.backends.cost import CostCurve
+from specpass.backends.kv import compact
+from specpass.drafters import (
+    Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, accept_greedy, build_tree, expected_tokens,
+)  # fmt: skip
+
+
+def test_compact_moves_the_accepted_path_into_place():
+    k = torch.arange(2 * 1 * 1 * 10 * 1, dtype=torch.float32).reshape(2, 1, 1, 10, 1)
+    v = -k.clone()
+    before = k.clone()
+    compact(k, v, torch.tensor([6, 8]), torch.tensor([5, 6]))  # path root@4, nodes at 6 and 8
+    assert torch.equal(k[:, :, :, 5], before[:, :, :, 6]) and torch.equal(k[:, :, :, 6], before[:, :, :, 8])
+    assert torch.equal(k[:, :, :, :5], before[:, :, :, :5])
+    assert torch.equal(v, -k)
+
+
+def test_accept_greedy_follows_the_targets_choices():
+    tree = DraftTree((10, 11, 12, 13, 14), (-1, 0, 0, 2, 3), (1.0,) * 5, (None,) * 5)
+    assert accept_greedy(tree, [12, 0, 13, 99, 0]) == [0, 2, 3]
+    assert accept_greedy(tree, [7, 0, 0, 0, 0]) == [0]
+    assert accept_greedy(tree, [12, 0, 13, 14, 1]) == [0, 2, 3, 4]
+
+
+def test_prompt_lookup_branches_are_distinct_continuations():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 7, 1, 2, 3]
+    session = PromptLookup(max_depth=3).start(tokens, torch.zeros(len(tokens), 8, dtype=torch.long))
+    branches = session.branches(tokens)
+    assert branches[0] == (3, [7, 7, 1]) and branches[1] == (3, [9, 1, 2])
+
+
+def test_built_tree_prefixes_are_trees_and_merge_duplicates():
+    tokens = [1, 2, 3, 9, 1, 2, 3]
+    topk = torch.tensor([[2, 5], [3, 6], [9, 4], [1, 1], [2, 0], [3, 0], [9, 8]])
+    sessions = Combined(PromptLookup(), TokenRecycling(top_k=2)).sessions(tokens, topk)
+    tree = Drafting(sessions).draft(tokens, max_nodes=6, max_depth=4)
+    assert len(tree) == 6 and tree.tokens[0] == 3
+    pairs = [(tree.parents[i], tree.tokens[i]) for i in range(1, len(tree))]
+    assert len(pairs) == len(set(pairs))  # one node per (parent, token)
+    assert tree.tokens[1] == 9  # both drafters agree that 9 follows 3
+    assert max(tree.depths()) <= 4
+    for n in range(1, len(tree) + 1):
+        tree.prefix(n)  # every prefix is a valid tree (parents precede children)
+    exp = expected_tokens(tree)
+    assert exp[0] == 1.0 and all(b >= a for a, b in zip(exp, exp[1:]))
+
+
+def test_token_recycling_learns_successors_from_verify_steps():
+    session = TokenRecycling(top_k=2).start([1, 2], torch.tensor([[2, 3], [4, 5]]))
+    tree = build_tree(2, [session.candidates([1, 2])], max_nodes=3, max_depth=1)
+    assert set(tree.tokens[1:]) <= {4, 5}
+    session.observe(tree, torch.tensor([[8, 9]] * len(tree)), [0], [1, 2])
+    again = build_tree(2, [session.candidates([1, 2])], max_nodes=2, max_depth=1)
+    assert again.tokens[1] == 8
+
+
+def test_cost_curve_picks_the_size_with_most_tokens_per_second():
+    curve = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.3, 2.6))
+    assert curve.latency(3) == 1.2000000000000002 or abs(curve.latency(3) - 1.2) < 1e-9
+    assert curve.best_size([1.0, 1.5, 1.9, 2.2, 2.4, 2.5, 2.6, 2.7]) == 4
+    assert curve.best_size([1.0, 1.05, 1.06, 1.07]) == 1
+    assert CostCurve((1, 64), (1.0, 1.0)).best_size([1.0, 2.0, 3.0]) == 3
