@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,8 +22,13 @@ class GenerationStats:
     target_forwards: int  # prefill included
     seconds: float
     finish_reason: str  # "eos", "length" or "cache_full"
-    accepted_histogram: dict[int, int] = field(default_factory=dict)  # tokens emitted per decode step
+    steps: tuple[int, ...] = ()  # tokens emitted by each decode step (the prefill's token excluded)
     mean_tree_size: float = 1.0
+
+    @property
+    def accepted_histogram(self) -> dict[int, int]:
+        """How many decode steps emitted 1, 2, ... tokens."""
+        return dict(sorted(collections.Counter(self.steps).items()))
 
     @property
     def tau(self) -> float:
@@ -101,7 +106,7 @@ def generate(
     prompt_topk = logits.topk(TOPK, dim=-1).indices.cpu()
     tokens.append(int(prompt_topk[-1, 0]))
     cached, forwards, sizes = n_prompt, 1, []
-    histogram: collections.Counter[int] = collections.Counter()
+    steps: list[int] = []
     drafting = Drafting(drafter.sessions(tokens[:n_prompt], prompt_topk))
     finish = _finished(tokens, n_prompt, max_new_tokens, eos)
 
@@ -130,7 +135,7 @@ def generate(
         forwards += 1
         sizes.append(len(tree))
         emitted = _emit(tokens, new, n_prompt, max_new_tokens, eos)
-        histogram[emitted] += 1
+        steps.append(emitted)
         finish = _finished(tokens, n_prompt, max_new_tokens, eos)
         outside = time.perf_counter() - step_started - curve.latency(len(tree))
         overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
@@ -143,7 +148,7 @@ def generate(
         target_forwards=forwards,
         seconds=seconds,
         finish_reason=finish,
-        accepted_histogram=dict(histogram),
+        steps=tuple(steps),
         mean_tree_size=sum(sizes) / len(sizes) if sizes else 1.0,
     )
     return Generation(torch.tensor([tokens], dtype=torch.long, device=input_ids.device), stats)

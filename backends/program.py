@@ -35,10 +35,12 @@ class SpeculativeProgram:
     def cost_curve(self) -> cost.CostCurve:
         """Measured once per program (a few dozen forwards)."""
         if self._cost is None:
-            sizes = [n for n in COST_SIZES if n <= self.max_nodes]
-            if sizes[-1] != self.max_nodes:
-                sizes.append(self.max_nodes)
-            self._cost = cost.measure(self.step, self.tree, self.device, sizes, kv_len=max(256, 2 * sizes[-1]))
+            largest = min(self.max_nodes, self.cache_size)
+            sizes = [n for n in COST_SIZES if n <= largest]
+            if sizes[-1] != largest:
+                sizes.append(largest)
+            kv_len = min(max(256, 2 * largest), self.cache_size)
+            self._cost = cost.measure(self.step, self.tree, self.device, sizes, kv_len=kv_len)
         return self._cost
 
     def forward(self, tokens, positions, tree_mask, start: int) -> torch.Tensor:

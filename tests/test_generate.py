@@ -1,0 +1,115 @@
+"""Losslessness on the real default model (float32, CPU): specpass greedy == HF greedy, token for token."""
+
+import pytest
+import torch
+
+import specpass
+from specpass import prompts
+from specpass.drafters import Combined, PromptLookup, TokenRecycling
+from specpass.rewrites import TreeAttention
+
+DRAFTERS = {"prompt_lookup": PromptLookup(), "token_recycling": TokenRecycling(),
+            "combined": Combined(PromptLookup(), TokenRecycling())}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cases(default_model):
+    model, tokenizer = default_model
+    code = [prompts.encode_code(tokenizer, p) for p in prompts.code_prompts(3, offset=0)]
+    chat = [prompts.encode_chat(tokenizer, m) for m in prompts.chat_messages(3, offset=0)]
+    out = []
+    for ids in code + chat:
+        out.append((ids, model.generate(ids, max_new_tokens=128, do_sample=False)))
+    return out
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_tree_drafters_equal_greedy(default_model, cases, drafter):
+    model, _ = default_model
+    compiled = torch.compile(model, backend="specpass", options={"drafter": DRAFTERS[drafter]})
+    taus = []
+    for ids, reference in cases:
+        out = specpass.generate(compiled, ids, max_new_tokens=128)
+        assert torch.equal(out.sequences, reference)
+        assert out.stats.new_tokens == reference.shape[1] - ids.shape[1]
+        assert out.stats.finish_reason in ("eos", "length")
+        taus.append(out.stats.tau)
+    assert sum(taus) / len(taus) > 1.3  # the drafter actually drafts something the target accepts
+
+
+def test_chain_only_pipeline_equals_greedy(default_model, cases):
+    model, _ = default_model
+    options = {"pipeline": specpass.Pipeline(), "drafter": PromptLookup()}
+    for ids, reference in cases[:3]:
+        out = specpass.generate(model, ids, max_new_tokens=128, options=options)
+        assert torch.equal(out.sequences, reference)
+    assert out.stats.mean_tree_size >= 1.0
+
+
+def test_length_limits(default_model, cases):
+    model, _ = default_model
+    ids, reference = cases[0]
+    for limit in (1, 2, 7):
+        out = specpass.generate(model, ids, max_new_tokens=limit)
+        assert torch.equal(out.sequences, reference[:, : ids.shape[1] + limit])
+        assert out.stats.finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_draft(default_model, cases):
+    """Declare as EOS a token the drafter got accepted in the middle of a multi-token step."""
+    model, _ = default_model
+    ids, _ = cases[0]
+    options = {"drafter": PromptLookup()}
+    full = specpass.generate(model, ids, max_new_tokens=128, options=options)
+    continuation = full.sequences[0, ids.shape[1] :].tolist()
+    steps = full.stats.steps
+    start, chosen = 1, None  # continuation[0] comes from the prefill
+    for emitted in steps:
+        for offset in range(emitted - 1):  # not the step's last token: the draft continued past it
+            token = continuation[start + offset]
+            if token not in continuation[: start + offset]:
+                chosen = (token, start + offset)
+                break
+        if chosen:
+            break
+        start += emitted
+    assert chosen is not None, "no multi-token step with a fresh token; pick another prompt"
+    eos, position = chosen
+    out = specpass.generate(model, ids, max_new_tokens=128, eos_token_id=eos, options=options)
+    reference = model.generate(ids, max_new_tokens=128, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    assert out.sequences.shape[1] == ids.shape[1] + position + 1 and out.stats.finish_reason == "eos"
+
+
+def test_cache_full_stops_with_a_clear_reason(default_model, cases):
+    model, _ = default_model
+    ids, reference = cases[3]
+    cache = ids.shape[1] + 20
+    out = specpass.generate(model, ids, max_new_tokens=128, options={"cache_size": cache})
+    assert out.stats.finish_reason == "cache_full"
+    n = out.sequences.shape[1]
+    assert n == cache + 1 and torch.equal(out.sequences, reference[:, :n])
+
+
+def test_bad_requests_are_clear_errors(default_model):
+    model, tokenizer = default_model
+    ids = tokenizer("def f(x):", return_tensors="pt").input_ids
+    with pytest.raises(specpass.InvalidParameterError, match="prompt is empty"):
+        specpass.generate(model, ids[:, :0], max_new_tokens=8)
+    for bad in (0, -1):
+        with pytest.raises(specpass.InvalidParameterError, match="max_new_tokens must be a positive int"):
+            specpass.generate(model, ids, max_new_tokens=bad)
+    with pytest.raises(specpass.InvalidParameterError, match="batch size 1"):
+        specpass.generate(model, ids.repeat(2, 1), max_new_tokens=8)
+    with pytest.raises(specpass.CacheCapacityError, match="KV cache holds 4"):
+        specpass.generate(model, ids, max_new_tokens=8, options={"cache_size": 4})
+
+
+def test_tree_budget_follows_the_cost_curve(default_model, cases):
+    model, _ = default_model
+    compiled = torch.compile(model, backend="specpass", options={"pipeline": specpass.Pipeline(TreeAttention(8))})
+    program = specpass.compile_program(compiled)
+    curve = program.cost_curve
+    assert curve.sizes[0] == 1 and curve.sizes[-1] == 8 and all(s > 0 for s in curve.seconds)
+    out = specpass.generate(compiled, cases[0][0], max_new_tokens=32)
+    assert 1.0 <= out.stats.mean_tree_size <= 8.0
