@@ -45,8 +45,9 @@ class CudaGraphStep:
             static["cache_slots"] = torch.arange(tb, device=device)
         return static
 
-    def _capture(self, tb: int, sb: int, device: torch.device, batch: int):
-        static = self._static_inputs(tb, device, batch)
+    def _capture(self, static: dict, sb: int):
+        """Warm up and capture with `static` already holding this step's real (padded) inputs, so the
+        warm-up runs write exactly the K/V the real step writes and never clobber the live cache."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -68,10 +69,20 @@ class CudaGraphStep:
             return self.eager(
                 input_ids=input_ids, positions=positions, kv_len=kv_len, tree_mask=tree_mask, cache_slots=cache_slots
             )
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(*bucket, input_ids.device, batch)
-        graph, static, outputs = self.graphs[bucket]
-        tb = bucket[0]
+        tb, sb = bucket
+        if bucket in self.graphs:
+            graph, static, outputs = self.graphs[bucket]
+            self._fill(static, tb, input_ids, positions, tree_mask, cache_slots)
+        else:
+            static = self._static_inputs(tb, input_ids.device, batch)
+            self._fill(static, tb, input_ids, positions, tree_mask, cache_slots)
+            self.graphs[bucket] = graph, static, outputs = self._capture(static, sb)
+        graph.replay()
+        t = input_ids.shape[1]
+        return tuple(o[:, :t] for o in outputs)
+
+    def _fill(self, static: dict, tb: int, input_ids, positions, tree_mask, cache_slots) -> None:
+        t = input_ids.shape[1]
         static["input_ids"][:, :t].copy_(input_ids)
         static["input_ids"][:, t:].zero_()
         static["positions"][:, :t].copy_(positions)
@@ -82,5 +93,3 @@ class CudaGraphStep:
             static["tree_mask"].copy_(pad.expand_as(static["tree_mask"]))
             static["cache_slots"][:t].copy_(cache_slots)
             static["cache_slots"][t:].copy_(cache_slots[-1] + torch.arange(1, tb - t + 1, device=cache_slots.device))
-        graph.replay()
-        return tuple(o[:, :t] for o in outputs)
