@@ -13,13 +13,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.fx
 
 from specpass.backends.lowering import lower
 from specpass.backends.options import CompileOptions
 from specpass.errors import UnsupportedArchitectureError
-from specpass.ir import SUPPORTED_ARCHITECTURES, arch_of, is_captured_step
+from specpass.ir import SUPPORTED_ARCHITECTURES, ArchSpec, arch_of, is_captured_step
+from specpass.passes import PassReport
 from specpass.rewrites import TreeAttention
 
 _SUPPORTED_MODELING = ("transformers.models.llama.", "transformers.models.qwen2.", "transformers.models.mistral.")
@@ -33,18 +37,31 @@ def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, 
     return gm.forward
 
 
-def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions):
-    """Run the pipeline on a captured step and lower it; the result carries the pass report."""
+@dataclass(frozen=True)
+class CompiledStep:
+    """A rewritten, lowered decode step: call it with the graph's inputs as keywords."""
+
+    run: Callable  # the lowering (EagerStep or CudaGraphStep)
+    graph_module: torch.fx.GraphModule  # the rewritten graph, owner of the KV cache buffers
+    report: PassReport
+    arch: ArchSpec
+    max_nodes: int  # largest tree the step is prepared for
+
+    def __call__(self, **inputs):
+        return self.run(**inputs)
+
+    @property
+    def input_names(self) -> list[str]:
+        return self.run.input_names
+
+
+def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions) -> CompiledStep:
+    """Run the pipeline on a captured step (verified after every pass) and lower it."""
     rewritten, report = opts.pipeline.run(gm)
-    device = rewritten.k_cache.device
     tree = next((p for p in opts.pipeline if isinstance(p, TreeAttention)), None)
     max_nodes = tree.max_nodes if tree is not None else 16
-    step = lower(rewritten, opts.lowering, device, max_nodes, rewritten.k_cache.shape[3])
-    step.report = report
-    step.arch = arch_of(rewritten)
-    step.graph_module = rewritten
-    step.max_nodes = max_nodes
-    return step
+    run = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes, rewritten.k_cache.shape[3])
+    return CompiledStep(run, rewritten, report, arch_of(rewritten), max_nodes)
 
 
 def check_dynamo_graph(gm: torch.fx.GraphModule) -> None:

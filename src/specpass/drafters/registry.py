@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from specpass.drafters.base import Combined, Drafter
+from specpass.drafters import default_drafter
+from specpass.drafters.base import Drafter
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.token_recycling import TokenRecycling
 from specpass.errors import InvalidParameterError
@@ -12,7 +13,7 @@ DRAFTER_NAMES = ("combined", "prompt-lookup", "token-recycling")
 
 def drafter_by_name(name: str) -> Drafter:
     if name == "combined":
-        return Combined(PromptLookup(), TokenRecycling())
+        return default_drafter()
     if name == "prompt-lookup":
         return PromptLookup()
     if name == "token-recycling":
