@@ -10,7 +10,7 @@ from specpass.errors import InvalidParameterError
 from specpass.passes import Pipeline
 from specpass.rewrites import TreeAttention
 
-LOWERINGS = ("auto", "eager", "cudagraphs")
+LOWERINGS = ("auto", "eager", "onednn", "cudagraphs")
 
 
 def default_pipeline() -> Pipeline:
@@ -20,7 +20,8 @@ def default_pipeline() -> Pipeline:
 @dataclass(frozen=True)
 class CompileOptions:
     """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
-    lowering: eager, cudagraphs (CUDA only) or auto (cudagraphs on CUDA, else eager);
+    lowering: eager, onednn (float32 on CPU), cudagraphs (CUDA) or auto (cudagraphs on CUDA, onednn on
+    a CPU that has it, else eager);
     cache_size: static KV-cache slots (prompt + generated tokens + one tree)."""
 
     pipeline: Pipeline = field(default_factory=default_pipeline)

@@ -1,7 +1,7 @@
 """Capture of HF causal LMs into annotated FX decode-step graphs, and the graph invariants."""
 
 from specpass.ir.arch import SUPPORTED_ARCHITECTURES, ArchSpec, arch_spec
-from specpass.ir.capture import arch_of, capture, is_captured_step
+from specpass.ir.capture import arch_of, capture, copy_step, is_captured_step
 from specpass.ir.roles import NodeInfo, Role, info
 from specpass.ir.verify import verify
 
@@ -13,6 +13,7 @@ __all__ = [
     "arch_of",
     "arch_spec",
     "capture",
+    "copy_step",
     "info",
     "is_captured_step",
     "verify",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx
 from torch import nn
@@ -122,3 +124,10 @@ def arch_of(gm: torch.fx.GraphModule) -> ArchSpec:
 
 def is_captured_step(gm: torch.fx.GraphModule) -> bool:
     return ARCH_META in getattr(gm, "meta", {})
+
+
+def copy_step(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule with a copied graph (node meta included) sharing gm's parameters and buffers."""
+    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta.update(gm.meta)
+    return new

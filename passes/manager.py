@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ import networkx as nx
 import torch.fx
 
 from specpass.errors import PassMismatchError, PassPipelineError, SpecpassError
+from specpass.ir.capture import copy_step
 from specpass.ir.verify import verify
 from specpass.passes.base import CAPTURED, Pass
 
@@ -72,7 +72,7 @@ class PassManager:
         self.verifier = verifier
 
     def run(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, PassReport]:
-        gm = _copy_graph_module(gm)
+        gm = copy_step(gm)
         done: list[str] = []
         records: list[PassRecord] = []
         for p in self.passes:
@@ -94,11 +94,3 @@ class PassManager:
 
 def _names(done: list[str]) -> str:
     return "passes already run: [" + ", ".join(done) + "]" if done else "no passes already run"
-
-
-def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A new GraphModule with a copied graph (node meta included) sharing gm's parameters and buffers."""
-    graph = copy.deepcopy(gm.graph)
-    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    new.meta.update(gm.meta)
-    return new
