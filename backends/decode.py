@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specpass.backends.program import SpeculativeProgram
-from specpass.drafters import Drafter, Drafting, DraftTree, accept_greedy, expected_tokens
+from specpass.drafters import Drafting, DraftTree, accept_greedy, expected_tokens
 from specpass.errors import CacheCapacityError, InvalidParameterError
 
 TOPK = 8
@@ -89,8 +89,8 @@ def generate(
     input_ids: torch.Tensor,
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
-    drafter: Drafter,
 ) -> Generation:
+    """Greedy speculative decoding of `input_ids` [1, P] with the program's drafter (and its memory)."""
     check_request(input_ids, max_new_tokens, program.cache_size)
     curve = program.cost_curve
     device = program.device
@@ -107,7 +107,7 @@ def generate(
     tokens.append(int(prompt_topk[-1, 0]))
     cached, forwards, sizes = n_prompt, 1, []
     steps: list[int] = []
-    drafting = Drafting(drafter.sessions(tokens[:n_prompt], prompt_topk))
+    drafting = Drafting(program.options.drafter.sessions(tokens[:n_prompt], prompt_topk, program.drafter_memory))
     finish = _finished(tokens, n_prompt, max_new_tokens, eos)
 
     overhead = 0.0  # running estimate of a step's seconds outside the target forward

@@ -29,7 +29,12 @@ class SpeculativeProgram:
         self.cache_size = self.k_cache.shape[3]
         self.tree = "tree_mask" in self.step.input_names
         self.max_nodes = self.step.max_nodes
+        self.drafter_memory = options.drafter.new_memory()
         self._cost: cost.CostCurve | None = None
+
+    def forget(self) -> None:
+        """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
+        self.drafter_memory = self.options.drafter.new_memory()
 
     @property
     def cost_curve(self) -> cost.CostCurve:

@@ -77,3 +77,17 @@ def test_hf_custom_generate_hook():
     reference = model.generate(ids, max_new_tokens=16, do_sample=False)
     out = model.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=specpass.custom_generate({"cache_size": 128}))
     assert torch.equal(out, reference)
+
+
+def test_drafter_memory_lives_with_the_program_until_forget():
+    model = tiny_model()
+    fast = torch.compile(model, backend="specpass", options={"cache_size": 100})
+    program = specpass.compile_program(fast)
+    ids = torch.randint(0, 96, (1, 5))
+    first = specpass.generate(fast, ids, max_new_tokens=20, eos_token_id=[])
+    table = program.drafter_memory[1]  # the default drafter: (prompt lookup, token recycling)
+    assert len(table) > 0
+    second = specpass.generate(fast, ids, max_new_tokens=20, eos_token_id=[])
+    assert program.drafter_memory[1] is table and torch.equal(second.sequences, first.sequences)
+    program.forget()
+    assert len(program.drafter_memory[1]) == 0

@@ -62,3 +62,34 @@ def test_cost_curve_picks_the_size_with_most_tokens_per_second():
     assert curve.best_size([1.0, 1.5, 1.9, 2.2, 2.4, 2.5, 2.6, 2.7]) == 4
     assert curve.best_size([1.0, 1.05, 1.06, 1.07]) == 1
     assert CostCurve((1, 64), (1.0, 1.0)).best_size([1.0, 2.0, 3.0]) == 3
+
+
+def test_token_recycling_table_is_inherited_by_the_next_generation():
+    drafter = TokenRecycling(top_k=2)
+    memory = drafter.new_memory()
+    first = drafter.start([1, 2], torch.tensor([[2, 3], [4, 5]]), memory)
+    tree = build_tree(2, [first.candidates([1, 2])], max_nodes=3, max_depth=1)
+    first.observe(tree, torch.tensor([[8, 9]] * len(tree)), [0], [1, 2])
+    second = drafter.start([7], torch.tensor([[6, 6]]), memory)  # a new prompt, same program: hot start
+    inherited = build_tree(2, [second.candidates([7, 2])], max_nodes=2, max_depth=1)
+    assert inherited.tokens[1] == 8
+    cold = drafter.start([7], torch.tensor([[6, 6]]))
+    assert len(build_tree(2, [cold.candidates([7, 2])], max_nodes=2, max_depth=1)) == 1  # nothing known about 2
+
+
+def test_successor_table_evicts_the_least_recently_written_pair():
+    table = TokenRecycling(max_pairs=2).new_memory()
+    table.write(1, 2, [3])
+    table.write(2, 3, [4])
+    table.write(1, 2, [5])  # rewritten: now the most recent
+    table.write(3, 4, [6])
+    assert list(table.by_pair) == [(1, 2), (3, 4)] and table.by_pair[1, 2] == [5]
+    assert table.by_token == {2: [5], 3: [4], 4: [6]}  # one row per token, bounded by the vocabulary
+
+
+def test_combined_drafter_memory_is_one_per_member():
+    drafter = Combined(PromptLookup(), TokenRecycling())
+    memory = drafter.new_memory()
+    assert memory[0] is None and len(memory[1]) == 0
+    sessions = drafter.sessions([1, 2, 1], torch.tensor([[2, 0], [1, 0], [2, 0]]), memory)
+    assert sessions[1].table is memory[1] and len(memory[1]) == 2

@@ -40,7 +40,7 @@ def generate(
         eos = program.arch.eos_token_ids
     else:
         eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    return _decode(program, input_ids, max_new_tokens, eos, program.options.drafter)
+    return _decode(program, input_ids, max_new_tokens, eos)
 
 
 def custom_generate(options=None):

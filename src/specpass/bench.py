@@ -83,14 +83,15 @@ def _specpass_runner(model, drafter_name):
     from specpass.drafters.registry import drafter_by_name
 
     compiled = torch.compile(model, backend="specpass", options={"drafter": drafter_by_name(drafter_name)})
-    specpass.compile_program(compiled).cost_curve  # build and measure before timing
+    program = specpass.compile_program(compiled)
+    program.cost_curve  # build and measure before timing
 
     def run(ids, max_new_tokens):
         out = specpass.generate(compiled, ids, max_new_tokens)
         s = out.stats
         return out.sequences, s.new_tokens, s.target_forwards, s.seconds
 
-    return run
+    return run, program
 
 
 def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/results", compile_baseline="auto"):
@@ -113,8 +114,9 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
                 continue
             compiled_forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         runners[name] = _hf_runner(model, counter, device, name, compiled_forward)
+    programs = {}  # specpass rows: their programs keep Token Recycling's table from prompt to prompt
     for name, drafter in SPECPASS_ROWS.items():
-        runners[name] = _specpass_runner(model, drafter)
+        runners[name], programs[name] = _specpass_runner(model, drafter)
     warm = sets["code"][0][:, :32]
     for name, run in runners.items():
         try:
@@ -125,6 +127,8 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
 
     results = {}
     for set_name, prompt_ids in sets.items():
+        for program in programs.values():
+            program.forget()  # each set starts cold (nothing from the warm-up or the other set)
         totals = {name: [0, 0, 0.0] for name in runners}
         mismatches = {name: 0 for name in runners if name.startswith("specpass")}
         for ids in prompt_ids:

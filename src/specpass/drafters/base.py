@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,14 +29,23 @@ class DraftSession(ABC):
 
 
 class Drafter(ABC):
-    """A drafting method's parameters (a frozen dataclass); `start` opens a session for one prompt."""
+    """A drafting method's parameters (a frozen dataclass); `start` opens a session for one prompt.
+
+    A drafter may also keep a memory across the generations of one program (`new_memory`): Token
+    Recycling's successor table is inherited from query to query, as in the paper ("hot start").
+    """
+
+    def new_memory(self) -> Any:
+        """A fresh cross-generation memory for this drafter (None: it keeps nothing)."""
+        return None
 
     @abstractmethod
-    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor) -> DraftSession:
-        """prompt_topk [P, k]: the target's top-k next tokens after every prompt token (from prefill)."""
+    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory: Any = None) -> DraftSession:
+        """prompt_topk [P, k]: the target's top-k next tokens after every prompt token (from prefill);
+        memory: what `new_memory` made, carried over from earlier generations (None: start cold)."""
 
-    def sessions(self, prompt: Sequence[int], prompt_topk: torch.Tensor) -> list[DraftSession]:
-        return [self.start(prompt, prompt_topk)]
+    def sessions(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory: Any = None) -> list[DraftSession]:
+        return [self.start(prompt, prompt_topk, memory)]
 
 
 @dataclass(frozen=True, init=False)
@@ -52,11 +62,15 @@ class Combined(Drafter):
     def __repr__(self) -> str:
         return f"Combined({', '.join(map(repr, self.drafters))})"
 
-    def start(self, prompt, prompt_topk):  # pragma: no cover - Combined is expanded by `sessions`
+    def new_memory(self) -> tuple:
+        return tuple(d.new_memory() for d in self.drafters)
+
+    def start(self, prompt, prompt_topk, memory=None):  # pragma: no cover - Combined is expanded by `sessions`
         raise TypeError("Combined drafters are started through sessions()")
 
-    def sessions(self, prompt, prompt_topk) -> list[DraftSession]:
-        return [d.start(prompt, prompt_topk) for d in self.drafters]
+    def sessions(self, prompt, prompt_topk, memory=None) -> list[DraftSession]:
+        memories = memory if memory is not None else (None,) * len(self.drafters)
+        return [d.start(prompt, prompt_topk, m) for d, m in zip(self.drafters, memories)]
 
 
 class Drafting:

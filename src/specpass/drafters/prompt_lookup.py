@@ -32,7 +32,7 @@ class PromptLookup(Drafter):
 
             raise InvalidParameterError(f"PromptLookup.min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
 
-    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor) -> DraftSession:
+    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory=None) -> DraftSession:
         return PromptLookupSession(self)
 
 

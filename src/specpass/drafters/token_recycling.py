@@ -7,6 +7,10 @@ grows best-first through those successors, ranked by the measured acceptance rat
 specpass keeps the successors twice: keyed by the node's token (the paper's matrix) and keyed by the
 node's last two tokens. The two-token entry, when one was seen, is the sharper guess (code repeats
 local patterns); both compete in the tree on their own measured acceptance rates.
+
+The table is the drafter's memory across generations (`new_memory`): as in the paper, each query
+inherits the table the previous queries left ("hot start"). The token-keyed rows are bounded by the
+vocabulary; the pair-keyed rows by `max_pairs`, least recently written evicted first.
 """
 
 from __future__ import annotations
@@ -23,34 +27,56 @@ from specpass.drafters.tree import DraftTree
 _PRIORS = {("tok", 0): 0.35, ("tok", 1): 0.12, ("tok", 2): 0.06, ("ctx", 0): 0.5, ("ctx", 1): 0.12, ("ctx", 2): 0.06}
 
 
+class SuccessorTable:
+    """Top-k successors seen after a token (`by_token`) and after a token pair (`by_pair`)."""
+
+    def __init__(self, max_pairs: int):
+        self.max_pairs = max_pairs
+        self.by_token: dict[int, list[int]] = {}
+        self.by_pair: dict[tuple[int, int], list[int]] = {}
+
+    def write(self, previous: int, token: int, successors: list[int]) -> None:
+        self.by_token[token] = successors
+        self.by_pair.pop((previous, token), None)  # re-inserted last: dict order is write recency
+        self.by_pair[previous, token] = successors
+        if len(self.by_pair) > self.max_pairs:
+            del self.by_pair[next(iter(self.by_pair))]
+
+    def __len__(self) -> int:
+        return len(self.by_token)
+
+
 @dataclass(frozen=True)
 class TokenRecycling(Drafter):
     top_k: int = 8
+    max_pairs: int = 1 << 16
 
     def __post_init__(self):
-        check_params("TokenRecycling", top_k=self.top_k)
+        check_params("TokenRecycling", top_k=self.top_k, max_pairs=self.max_pairs)
 
-    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor) -> DraftSession:
-        return TokenRecyclingSession(self, prompt, prompt_topk)
+    def new_memory(self) -> SuccessorTable:
+        return SuccessorTable(self.max_pairs)
+
+    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory=None) -> DraftSession:
+        return TokenRecyclingSession(self, prompt, prompt_topk, memory if memory is not None else self.new_memory())
 
 
 class TokenRecyclingSession(DraftSession):
-    def __init__(self, config: TokenRecycling, prompt: Sequence[int], prompt_topk: torch.Tensor):
+    def __init__(self, config: TokenRecycling, prompt: Sequence[int], prompt_topk: torch.Tensor, table: SuccessorTable):
         self.k = min(config.top_k, prompt_topk.shape[-1])
         self.stats = AcceptanceStats(_PRIORS, default=0.02)
-        self.by_token: dict[int, list[int]] = {}
-        self.by_pair: dict[tuple[int, int], list[int]] = {}
+        self.table = table
         previous = -1
         for token, top in zip(prompt, prompt_topk[:, : self.k].tolist()):
-            self.by_token[token] = top
-            self.by_pair[previous, token] = top
+            table.write(previous, token, top)
             previous = token
 
     def successors(self, previous: int, token: int):
         """(token, probability, stats key, state) candidates after `token` preceded by `previous`."""
-        out = [(t, self.stats.rate(("tok", r)), ("tok", r), token) for r, t in enumerate(self.by_token.get(token, ()))]
-        pair = self.by_pair.get((previous, token), ())
-        out += [(t, self.stats.rate(("ctx", r)), ("ctx", r), token) for r, t in enumerate(pair)]
+        rate = self.stats.rate
+        out = [(t, rate(("tok", r)), ("tok", r), token) for r, t in enumerate(self.table.by_token.get(token, ()))]
+        pair = self.table.by_pair.get((previous, token), ())
+        out += [(t, rate(("ctx", r)), ("ctx", r), token) for r, t in enumerate(pair)]
         return out
 
     def candidates(self, tokens: Sequence[int]):
@@ -59,9 +85,8 @@ class TokenRecyclingSession(DraftSession):
     def observe(self, tree: DraftTree, topk: torch.Tensor, path: Sequence[int], tokens: Sequence[int]) -> None:
         root_previous = tokens[-2] if len(tokens) > 1 else -1  # tokens ends with the tree's root
         for i, top in enumerate(topk[:, : self.k].tolist()):
-            token, parent = tree.tokens[i], tree.parents[i]
-            self.by_token[token] = top
-            self.by_pair[tree.tokens[parent] if parent >= 0 else root_previous, token] = top
+            parent = tree.parents[i]
+            self.table.write(tree.tokens[parent] if parent >= 0 else root_previous, tree.tokens[i], top)
 
 
 class _Successors:
