@@ -41,24 +41,20 @@ class CostCurve:
         return {n: s / self.seconds[0] for n, s in zip(self.sizes, self.seconds)}
 
 
-def measure(step, tree: bool, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 5):
-    """Median latency of one step per size, verifying a chain of `size` tokens after `kv_len - size` cached."""
+def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 5) -> CostCurve:
+    """Median latency per size of `forward(tokens, positions, tree_mask, start)` (a program's verify
+    forward) on a chain of `size` tokens after `kv_len - size` cached slots."""
     seconds = []
     for size in sizes:
         start = max(kv_len - size, 0)
-        inputs = {
-            "input_ids": torch.zeros(1, size, dtype=torch.long, device=device),
-            "positions": torch.arange(start, start + size, device=device)[None],
-            "kv_len": start + size,
-        }
-        if tree:
-            inputs["tree_mask"] = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None]
-            inputs["cache_slots"] = torch.arange(start, start + size, device=device)
+        tokens = torch.zeros(size, dtype=torch.long, device=device)
+        positions = torch.arange(start, start + size, device=device)
+        chain = torch.ones(size, size, dtype=torch.bool, device=device).tril()
         samples = []
         for i in range(repeats + 2):
             _synchronize(device)
             t0 = time.perf_counter()
-            step(**inputs)
+            forward(tokens, positions, chain, start)
             _synchronize(device)
             if i >= 2:  # the first runs warm up (and capture CUDA graphs)
                 samples.append(time.perf_counter() - t0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.backends.program import SpeculativeProgram
+from specpass.backends.program import DecodeProgram
 from specpass.drafters import Drafting, DraftTree, accept_greedy, expected_tokens
 from specpass.errors import CacheCapacityError, InvalidParameterError
 
@@ -85,7 +85,7 @@ def _as_chain(tree: DraftTree) -> DraftTree:
 
 
 def generate(
-    program: SpeculativeProgram,
+    program: DecodeProgram,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
@@ -103,11 +103,12 @@ def generate(
     positions = torch.arange(n_prompt, device=device)
     causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=device).tril()
     logits = program.forward(prompt, positions, causal, start=0)  # [P, V]
+    program.commit(0, range(n_prompt))  # the prompt is a chain: every node is kept
     prompt_topk = logits.topk(TOPK, dim=-1).indices.cpu()
     tokens.append(int(prompt_topk[-1, 0]))
     cached, forwards, sizes = n_prompt, 1, []
     steps: list[int] = []
-    drafting = Drafting(program.options.drafter.sessions(tokens[:n_prompt], prompt_topk, program.drafter_memory))
+    drafting = Drafting(program.drafter.sessions(tokens[:n_prompt], prompt_topk, program.drafter_memory))
     finish = _finished(tokens, n_prompt, max_new_tokens, eos)
 
     overhead = 0.0  # running estimate of a step's seconds outside the target forward

@@ -1,8 +1,14 @@
-"""A speculative program: the captured, rewritten and lowered decode step of one model, with its cache."""
+"""Programs the decode loop drives: a verify forward over a token tree, KV commit, a drafter and its memory.
+
+`SpeculativeProgram` is the captured, rewritten and lowered PyTorch step of one model with its static
+KV cache; `backends.onnxrt.OrtProgram` is the same step exported to ONNX and run on ONNX Runtime.
+"""
 
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -11,17 +17,67 @@ from specpass.backends import cost
 from specpass.backends.compile import specpass_backend
 from specpass.backends.kv import compact
 from specpass.backends.options import CompileOptions
+from specpass.drafters import Drafter
 from specpass.ir import capture
 
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-class SpeculativeProgram:
+class DecodeProgram(ABC):
+    """A verify step with its KV cache, the drafter feeding it, and the device's measured cost curve.
+
+    Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), tree (False: chains only),
+    eos_token_ids, and implement `forward` and `commit`.
+    """
+
+    device: torch.device
+    cache_size: int
+    max_nodes: int
+    tree: bool
+    eos_token_ids: tuple[int, ...]
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.drafter_memory = drafter.new_memory()
+        self._cost: cost.CostCurve | None = None
+
+    @abstractmethod
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, start: int) -> torch.Tensor:
+        """Run T tokens whose K/V go to slots [start, start + T); returns logits [T, V].
+
+        tokens, positions: [T] int64; tree_mask: [T, T] ancestor mask (lower-triangular all-True, a
+        chain, when the program has no TreeAttention). Slots [0, start) are the committed prefix.
+        """
+
+    @abstractmethod
+    def commit(self, start: int, path: Sequence[int]) -> None:
+        """Keep the K/V of tree nodes `path` (root first) in slots start, start + 1, ..."""
+
+    def forget(self) -> None:
+        """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
+        self.drafter_memory = self.drafter.new_memory()
+
+    @property
+    def cost_curve(self) -> cost.CostCurve:
+        """Verify latency for T = 1 .. max_nodes, measured once per program (a few dozen forwards)."""
+        if self._cost is None:
+            largest = min(self.max_nodes, self.cache_size)
+            sizes = [n for n in COST_SIZES if n <= largest]
+            if sizes[-1] != largest:
+                sizes.append(largest)
+            kv_len = min(max(256, 2 * largest), self.cache_size)
+            self._cost = cost.measure(self.forward, self.device, sizes, kv_len=kv_len)
+        return self._cost
+
+
+class SpeculativeProgram(DecodeProgram):
     def __init__(self, model: nn.Module, options: CompileOptions):
+        super().__init__(options.drafter)
         self.options = options
         captured = capture(model, cache_size=options.cache_size)
         self.step = specpass_backend(captured, [], options=options)
         self.arch = self.step.arch
+        self.eos_token_ids = self.arch.eos_token_ids
         self.report = self.step.report
         gm = self.step.graph_module
         self.k_cache, self.v_cache = gm.k_cache, gm.v_cache
@@ -29,31 +85,8 @@ class SpeculativeProgram:
         self.cache_size = self.k_cache.shape[3]
         self.tree = "tree_mask" in self.step.input_names
         self.max_nodes = self.step.max_nodes
-        self.drafter_memory = options.drafter.new_memory()
-        self._cost: cost.CostCurve | None = None
-
-    def forget(self) -> None:
-        """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
-        self.drafter_memory = self.options.drafter.new_memory()
-
-    @property
-    def cost_curve(self) -> cost.CostCurve:
-        """Measured once per program (a few dozen forwards)."""
-        if self._cost is None:
-            largest = min(self.max_nodes, self.cache_size)
-            sizes = [n for n in COST_SIZES if n <= largest]
-            if sizes[-1] != largest:
-                sizes.append(largest)
-            kv_len = min(max(256, 2 * largest), self.cache_size)
-            self._cost = cost.measure(self.step, self.tree, self.device, sizes, kv_len=kv_len)
-        return self._cost
 
     def forward(self, tokens, positions, tree_mask, start: int) -> torch.Tensor:
-        """Run T tokens whose K/V go to slots [start, start + T); returns logits [T, V].
-
-        tokens, positions: [T] int64; tree_mask: [T, T] ancestor mask (must be lower-triangular
-        all-True, a chain, when the program has no TreeAttention).
-        """
         t = tokens.shape[0]
         inputs = {"input_ids": tokens[None], "positions": positions[None], "kv_len": start + t}
         if self.tree:
@@ -62,8 +95,7 @@ class SpeculativeProgram:
         logits, _ = self.step(**inputs)
         return logits[0]
 
-    def commit(self, start: int, path: list[int]) -> None:
-        """Move the accepted path's K/V (tree node indices `path`) to slots start, start + 1, ..."""
+    def commit(self, start: int, path: Sequence[int]) -> None:
         moved = [(start + node, start + i) for i, node in enumerate(path) if node != i]
         if moved:
             src = torch.tensor([s for s, _ in moved], device=self.device)

@@ -25,6 +25,17 @@ def default_model():
     return specpass.load_default_model()
 
 
+@pytest.fixture(scope="session")
+def cases(default_model):
+    """(prompt ids, HF greedy with 128 new tokens) for HumanEval 0-2 (raw) and chat summaries 0-2."""
+    from specpass import prompts
+
+    model, tokenizer = default_model
+    code = [prompts.encode_code(tokenizer, p) for p in prompts.code_prompts(3, offset=0)]
+    chat = [prompts.encode_chat(tokenizer, m) for m in prompts.chat_messages(3, offset=0)]
+    return [(ids, model.generate(ids, max_new_tokens=128, do_sample=False)) for ids in code + chat]
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -4,23 +4,11 @@ import pytest
 import torch
 
 import specpass
-from specpass import prompts
 from specpass.drafters import Combined, PromptLookup, TokenRecycling
 from specpass.rewrites import TreeAttention
 
 DRAFTERS = {"prompt_lookup": PromptLookup(), "token_recycling": TokenRecycling(),
             "combined": Combined(PromptLookup(), TokenRecycling())}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cases(default_model):
-    model, tokenizer = default_model
-    code = [prompts.encode_code(tokenizer, p) for p in prompts.code_prompts(3, offset=0)]
-    chat = [prompts.encode_chat(tokenizer, m) for m in prompts.chat_messages(3, offset=0)]
-    out = []
-    for ids in code + chat:
-        out.append((ids, model.generate(ids, max_new_tokens=128, do_sample=False)))
-    return out
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))

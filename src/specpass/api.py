@@ -9,13 +9,19 @@ from torch import nn
 
 from specpass.backends.decode import Generation
 from specpass.backends.decode import generate as _decode
-from specpass.backends.program import SpeculativeProgram, program_for
+from specpass.backends.program import DecodeProgram, program_for
 from specpass.backends.resolve import resolve
+from specpass.errors import InvalidParameterError
 from specpass.ir import arch_spec
 
 
-def compile_program(model: nn.Module, options=None) -> SpeculativeProgram:
-    """The speculative program of `model` (plain, or compiled with backend="specpass")."""
+def compile_program(model: nn.Module | DecodeProgram, options=None) -> DecodeProgram:
+    """The speculative program of `model` (plain, or compiled with backend="specpass"); a program
+    (e.g. from `load_onnx`) is returned as it is."""
+    if isinstance(model, DecodeProgram):
+        if options is not None:
+            raise InvalidParameterError("a program's options are fixed when it is built; options must be None")
+        return model
     model, opts = resolve(model, options)
     arch_spec(model)  # clear error for unsupported architectures before any capture work
     return program_for(model, opts)
@@ -32,12 +38,13 @@ def generate(
 ) -> Generation:
     """Greedy speculative generation; the tokens equal the model's plain greedy decoding.
 
-    model: `torch.compile(model, backend="specpass", options=...)` or a plain HF model (then
-    `options` or the defaults apply). eos_token_id defaults to the model's generation config.
+    model: `torch.compile(model, backend="specpass", options=...)`, a plain HF model (then `options`
+    or the defaults apply), or a program such as `load_onnx(...)`'s. eos_token_id defaults to the
+    model's generation config.
     """
     program = compile_program(model, options)
     if eos_token_id is None:
-        eos = program.arch.eos_token_ids
+        eos = program.eos_token_ids
     else:
         eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     return _decode(program, input_ids, max_new_tokens, eos)
@@ -59,3 +66,10 @@ def custom_generate(options=None):
         return out.sequences
 
     return specpass_decoding
+
+
+def load_onnx(directory: str, **kwargs):
+    """An ONNX Runtime program from a `specpass export` directory, for `generate` (see OrtProgram)."""
+    from specpass.backends.onnxrt import OrtProgram
+
+    return OrtProgram(directory, **kwargs)
