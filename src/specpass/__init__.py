@@ -5,11 +5,12 @@ and the torch.compile backend named "specpass".
 """
 
 from specpass import drafters, rewrites
-from specpass.api import compile_program, custom_generate, generate
+from specpass.api import compile_program, custom_generate, generate, load_onnx
 from specpass.backends.decode import Generation, GenerationStats
 from specpass.backends.options import CompileOptions
 from specpass.errors import (
     CacheCapacityError,
+    ExportError,
     GraphVerificationError,
     InvalidParameterError,
     PassMismatchError,
@@ -23,6 +24,7 @@ from specpass.passes import Pipeline
 __all__ = [
     "CacheCapacityError",
     "CompileOptions",
+    "ExportError",
     "Generation",
     "GenerationStats",
     "GraphVerificationError",
@@ -37,5 +39,6 @@ __all__ = [
     "drafters",
     "generate",
     "load_default_model",
+    "load_onnx",
     "rewrites",
 ]

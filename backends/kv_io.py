@@ -1,0 +1,126 @@
+"""KV as inputs and outputs: the functional form of a rewritten decode step, for export.
+
+The captured step owns a static KV cache and writes it in place (`index_copy_` at the cache slots),
+which an ONNX graph cannot express without aliasing. This lowering rewrites a copy of the step so that
+
+    inputs   input_ids   [B, T]  int64     tokens to verify (a tree, a chain, or a prompt)
+             positions   [B, T]  int64     rotary positions (prefix length + depth for a tree)
+             past_keys   [L, B, KV, S, D]  cached keys of S slots (the runtime's cache buffer)
+             past_values [L, B, KV, S, D]  cached values
+             past_mask   [B, T, S] bool    past_mask[b, t, s]: token t attends to cached slot s
+             tree_mask   [B, T, T] bool    tree_mask[b, t, j]: token t attends to token j (ancestor or self)
+    outputs  logits      [B, T, V]
+             hidden      [B, T, H]         final normed hidden states
+             new_keys    [L, B, KV, T, D]  the T tokens' keys (after rotary), for the runtime to commit
+             new_values  [L, B, KV, T, D]
+             ...                           any further outputs of the step (draft outputs), unchanged
+
+Rewrite. In every layer the cache write and the read of slots [0, kv_len) become
+`cat(past[layer], new, dim=2)`; the step's attention mask becomes `cat(past_mask, tree_mask)`.
+Everything else in the graph is untouched, so the logits of token t equal the cached step's logits
+when the cached step sees the same slots (tested). The runtime commits an accepted path by copying
+`new_keys[..., path, :]` into its cache: compaction without recompute, as in the PyTorch lowering.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from specpass.errors import PassMismatchError
+from specpass.ir import copy_step, info
+from specpass.ir.roles import Role, annotate, nodes_with_role, placeholder
+
+INPUTS = ("input_ids", "positions", "past_keys", "past_values", "past_mask", "tree_mask")
+KV_OUTPUTS = ("new_keys", "new_values")
+
+
+def _attention_mask(past_mask: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, S] + [B, T, T] -> [B, 1, T, S + T] boolean attention mask."""
+    return torch.cat((past_mask, tree_mask), dim=-1).unsqueeze(1)
+
+
+def _cache_reads(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(cache write, the slice of the written cache that attention reads), in graph order."""
+    pairs = []
+    for write in nodes_with_role(graph, Role.CACHE_WRITE):
+        if write.op != "call_method" or write.target != "index_copy_":
+            continue
+        users = list(write.users)
+        if len(users) != 1:
+            raise PassMismatchError(f"cache write {write.name} has {len(users)} readers, expected one slice")
+        pairs.append((write, users[0]))
+    return pairs
+
+
+def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the rewritten step with the KV cache as inputs and outputs (see module docstring)."""
+    lowered = copy_step(gm)
+    graph = lowered.graph
+    num_layers = lowered.meta["specpass_arch"].num_layers
+    reads = _cache_reads(graph)
+    if len(reads) != 2 * num_layers:
+        raise PassMismatchError(f"expected a key and a value cache write per layer, found {len(reads)} writes")
+    masks = {n.kwargs.get("attn_mask") for n in nodes_with_role(graph, Role.ATTENTION) if "attn_mask" in n.kwargs}
+    if len(masks) != 1:
+        raise PassMismatchError(f"expected one attention mask shared by every layer, found {len(masks)}")
+    (mask,) = masks
+
+    old_inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    new_inputs = {}
+    with graph.inserting_after(old_inputs[-1]):
+        for name in INPUTS[2:]:  # input_ids, positions (and a tree step's tree_mask) are kept as they are
+            new_inputs[name] = placeholder(graph, name) or annotate(graph.placeholder(name), Role.INPUT)
+    with graph.inserting_before(mask):
+        attention_mask = graph.call_function(_attention_mask, (new_inputs["past_mask"], new_inputs["tree_mask"]))
+    annotate(attention_mask, Role.MASK)
+    mask.replace_all_uses_with(attention_mask)
+
+    new_kv: dict[str, list[torch.fx.Node]] = {"past_keys": [], "past_values": []}
+    for write, read in reads:
+        layer = info(write).layer
+        source = {"k_cache": "past_keys", "v_cache": "past_values"}[_cache_of(write)]
+        new = write.args[3]  # [B, KV, T, D]
+        with graph.inserting_before(read):
+            past = annotate(graph.call_function(_layer, (new_inputs[source], layer)), Role.CACHE, layer)
+            both = annotate(graph.call_function(torch.cat, ((past, new),), {"dim": 2}), Role.ATTENTION, layer)
+        read.replace_all_uses_with(both)
+        graph.erase_node(read)
+        graph.erase_node(write)
+        new_kv[source].append(new)
+
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        stacked = [
+            annotate(graph.call_function(torch.stack, (tuple(new_kv[source]),)), Role.CACHE_WRITE)
+            for source in ("past_keys", "past_values")
+        ]
+    logits, hidden, *extra = output.args[0]
+    output.args = ((logits, hidden, *stacked, *extra),)
+    graph.eliminate_dead_code()
+    for node in old_inputs:
+        if node.target not in INPUTS:
+            graph.erase_node(node)
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for name in INPUTS:  # the signature, in the documented order
+        first.prepend(placeholder(graph, name))
+    for name in ("k_cache", "v_cache"):  # the functional step owns no cache
+        delattr(lowered, name)
+    graph.lint()
+    lowered.recompile()
+    order = [n.target for n in graph.nodes if n.op == "placeholder"]
+    if order != list(INPUTS):
+        raise PassMismatchError(f"the step's inputs came out as {order}, expected {list(INPUTS)}")
+    return lowered
+
+
+def _cache_of(write: torch.fx.Node) -> str:
+    """Which cache buffer (k_cache or v_cache) a cache write writes into."""
+    node = write.args[0]
+    while node.op != "get_attr":
+        node = node.args[0]
+    return node.target
+
+
+def _layer(stacked: torch.Tensor, layer: int) -> torch.Tensor:
+    return stacked[layer]  # [B, KV, S, D]

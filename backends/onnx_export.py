@@ -1,0 +1,279 @@
+"""`specpass export`: the rewritten decode step as an ONNX model, checked with onnx.checker and on ORT.
+
+Pipeline: capture -> the pipeline's passes (verified after each) -> KV as inputs/outputs
+(`backends.kv_io`) -> `torch.onnx.export(..., dynamo=True)` -> save -> checks.
+
+Why the dynamo exporter: it exports from `torch.export`'s graph of the very FX module the passes
+produced, so the ONNX graph is the rewritten step itself (tree mask inputs, KV outputs, draft
+outputs), with dynamic tree size T and cache length S as symbolic dimensions. The TorchScript
+exporter would re-trace through Python and is deprecated.
+
+Output directory: model.onnx (+ model.onnx.data when the weights are stored externally),
+pipeline.json, manifest.json (inputs, outputs, shapes, meaning, the check's result) and the
+tokenizer's files when a tokenizer is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch import nn
+
+from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, kv_as_io
+from specpass.errors import ExportError, SpecpassError
+from specpass.ir import ArchSpec, arch_of, capture
+from specpass.passes import Pipeline
+
+MANIFEST_VERSION = 1
+EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on the check's outputs
+EXPORTABLE_PASSES = ("TreeAttention",)
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+MEANING = {
+    "input_ids": "tokens to verify: a tree (node 0 = last committed token), a chain, or a prompt",
+    "positions": "rotary positions: committed prefix length + depth in the tree",
+    "past_keys": "cached keys of S slots (after rotary), all layers",
+    "past_values": "cached values of S slots, all layers",
+    "past_mask": "past_mask[b, t, s]: token t attends to cached slot s (the committed prefix)",
+    "tree_mask": "tree_mask[b, t, j]: token t attends to token j (j is t or an ancestor of t)",
+    "logits": "next-token logits after each of the T tokens",
+    "hidden": "final normed hidden state of each of the T tokens",
+    "new_keys": "keys of the T tokens; commit an accepted path with new_keys[..., path, :]",
+    "new_values": "values of the T tokens",
+}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    directory: str
+    onnx_path: str
+    manifest: dict
+    max_abs_diff: float | None  # None when the check was skipped
+
+
+def check_exportable(pipeline: Pipeline) -> None:
+    for p in pipeline:
+        if p.name not in EXPORTABLE_PASSES:
+            raise ExportError(
+                f"the ONNX exporter cannot express pass {p.name}: only {', '.join(EXPORTABLE_PASSES)} are mapped to "
+                "the exported step's inputs and outputs (KV as inputs/outputs, tree and past masks)"
+            )
+
+
+def _shapes(arch: ArchSpec, batch: int, t: int, s: int) -> dict[str, tuple]:
+    kv = (arch.num_layers, batch, arch.num_kv_heads)
+    return {
+        "input_ids": (batch, t), "positions": (batch, t), "past_keys": (*kv, s, arch.head_dim),
+        "past_values": (*kv, s, arch.head_dim), "past_mask": (batch, t, s), "tree_mask": (batch, t, t),
+        "logits": (batch, t, arch.vocab_size), "hidden": (batch, t, arch.hidden_size),
+        "new_keys": (*kv, t, arch.head_dim), "new_values": (*kv, t, arch.head_dim),
+    }  # fmt: skip
+
+
+def _sample(arch: ArchSpec, dtype: torch.dtype, t: int, s: int, tokens: list[int] | None = None) -> dict:
+    """Inputs for T tokens over S cached slots: a chain after a visible prefix (export traces these)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = _shapes(arch, 1, t, s)
+    ids = torch.tensor([tokens]) if tokens is not None else torch.randint(0, arch.vocab_size, (1, t), generator=gen)
+    return {
+        "input_ids": ids,
+        "positions": torch.arange(s, s + t)[None],
+        "past_keys": torch.randn(shapes["past_keys"], generator=gen).to(dtype),
+        "past_values": torch.randn(shapes["past_values"], generator=gen).to(dtype),
+        "past_mask": torch.ones(shapes["past_mask"], dtype=torch.bool),
+        "tree_mask": torch.ones(t, t, dtype=torch.bool).tril()[None],
+    }
+
+
+def functional_step(model: nn.Module, pipeline: Pipeline) -> torch.fx.GraphModule:
+    """The exported function: capture, run the pipeline (verified after each pass), KV as inputs/outputs."""
+    check_exportable(pipeline)
+    rewritten, _ = pipeline.run(capture(model, cache_size=2))  # the functional step owns no cache
+    return kv_as_io(rewritten)
+
+
+def export(
+    model: nn.Module,
+    pipeline: Pipeline,
+    out_dir: str,
+    *,
+    tokenizer=None,
+    model_name: str = "",
+    force: bool = False,
+    check: bool = True,
+    progress: bool = True,
+) -> ExportResult:
+    """Export `model` rewritten by `pipeline` to `out_dir` (see module docstring). The model's dtype
+    (float32 or float16) is the exported dtype."""
+    from tqdm.auto import tqdm
+
+    dtype = next(model.parameters()).dtype
+    if dtype not in TOLERANCE:
+        raise ExportError(f"export supports float32 and float16 weights, the model is {dtype}")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not force:
+        raise ExportError(f"{out_dir} exists and is not empty; pass --force (force=True) to overwrite it")
+    stages = ["capture + passes + KV as inputs/outputs", "torch.export + ONNX translation", "save", "checks"]
+    bar = tqdm(total=len(stages) - (0 if check else 1), desc="specpass export", disable=not progress)
+
+    def stage(name: str):
+        bar.set_postfix_str(name)
+
+    stage(stages[0])
+    step = functional_step(model, pipeline)
+    arch = arch_of(step)
+    bar.update()
+    stage(stages[1])
+    onnx_program = _torch_export(step, arch, dtype)
+    bar.update()
+    stage(stages[2])
+    if os.path.isdir(out_dir) and force:
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    onnx_path = os.path.join(out_dir, "model.onnx")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    onnx_program.save(onnx_path, external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+    with open(os.path.join(out_dir, "pipeline.json"), "w") as f:
+        f.write(pipeline.to_json())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    bar.update()
+    diffs = None
+    if check:
+        stage(stages[3])
+        sample_tokens = _sample_tokens(tokenizer, arch)
+        diffs = check_onnx(onnx_path, step, arch, dtype, sample_tokens)
+        bar.update()
+    bar.close()
+    manifest = _manifest(arch, dtype, pipeline, model_name, weight_bytes > EXTERNAL_DATA_BYTES, diffs)
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    return ExportResult(out_dir, onnx_path, manifest, max(diffs.values()) if diffs else None)
+
+
+def _torch_export(step: torch.fx.GraphModule, arch: ArchSpec, dtype: torch.dtype):
+    t, s = torch.export.Dim("T", min=1, max=4096), torch.export.Dim("S", min=1, max=1 << 20)
+    dynamic = {
+        "input_ids": {1: t}, "positions": {1: t}, "past_keys": {3: s}, "past_values": {3: s},
+        "past_mask": {1: t, 2: s}, "tree_mask": {1: t, 2: t},
+    }  # fmt: skip
+    sample = _sample(arch, dtype, t=4, s=8)
+    try:
+        with _quiet_exporter():
+            return torch.onnx.export(
+                step, (), kwargs=sample, dynamo=True, dynamic_shapes=dynamic,
+                input_names=list(INPUTS), output_names=["logits", "hidden", *KV_OUTPUTS], optimize=True,
+            )  # fmt: skip
+    except SpecpassError:
+        raise
+    except Exception as exc:  # the exporter's own errors are long; keep the first lines
+        raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {str(exc)[:600]}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """The exporter prints a step-by-step log, warns about torchvision ops and about renamed axes."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _sample_tokens(tokenizer, arch: ArchSpec) -> list[int] | None:
+    if tokenizer is None:
+        return None
+    text = 'def mean(values):\n    """Return the arithmetic mean of values."""\n    return sum(values) / len(values)\n'
+    ids = tokenizer(text).input_ids
+    return [i for i in ids if i < arch.vocab_size][:24]
+
+
+def check_onnx(onnx_path: str, step: torch.fx.GraphModule, arch: ArchSpec, dtype: torch.dtype, tokens) -> dict:
+    """onnx.checker, then ORT against the PyTorch step on a prefill and a tree step over its KV.
+
+    Returns the max |ORT - PyTorch| per output of the tree step; raises ExportError past TOLERANCE.
+    """
+    import onnx
+
+    from specpass.backends.onnxrt import ort_session
+
+    try:
+        onnx.checker.check_model(onnx_path, full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"onnx.checker rejected {onnx_path}: {exc}") from exc
+    session = ort_session(onnx_path, device=torch.device("cpu"))
+    tokens = tokens if tokens is not None else torch.randint(0, arch.vocab_size, (24,)).tolist()
+    prefix, tree_tokens = tokens[:-5], tokens[-5:]
+    # 1. prefill the prefix as a chain; the single past slot is masked out (ORT rejects S = 0)
+    prefill = _sample(arch, dtype, t=len(prefix), s=1, tokens=prefix)
+    prefill["past_mask"][:] = False
+    prefill["positions"] = torch.arange(len(prefix))[None]
+    with torch.no_grad():
+        _, _, keys, values = step(**prefill)[:4]
+    # 2. a 5-node tree over that prefix: root -> (a, b), a -> c, c -> d
+    parents = (-1, 0, 0, 1, 3)
+    mask = torch.eye(5, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    depth = mask.sum(-1) - 1
+    n = len(prefix)
+    inputs = {
+        "input_ids": torch.tensor([tree_tokens]), "positions": (n + depth)[None],
+        "past_keys": keys.contiguous(), "past_values": values.contiguous(),
+        "past_mask": torch.ones(1, 5, n, dtype=torch.bool), "tree_mask": mask[None],
+    }  # fmt: skip
+    with torch.no_grad():
+        expected = step(**inputs)
+    got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+    names = ["logits", "hidden", *KV_OUTPUTS]
+    diffs = {name: float((torch.from_numpy(g).float() - e.float()).abs().max()) for name, g, e in zip(names, got, expected)}
+    worst = max(diffs.values())
+    if not worst <= TOLERANCE[dtype]:
+        raise ExportError(f"ORT and PyTorch disagree by {worst:.3g} (> {TOLERANCE[dtype]} for {dtype}): {diffs}")
+    return diffs
+
+
+def _manifest(arch: ArchSpec, dtype, pipeline: Pipeline, model_name: str, external: bool, diffs) -> dict:
+    shapes = _shapes(arch, 1, "T", "S")
+    dtypes = {"input_ids": "int64", "positions": "int64", "past_mask": "bool", "tree_mask": "bool"}
+
+    def io_entry(name: str) -> dict:
+        return {"name": name, "shape": list(shapes[name]), "dtype": dtypes.get(name, _dtype_name(dtype)),
+                "meaning": MEANING[name]}  # fmt: skip
+
+    return {
+        "format_version": MANIFEST_VERSION,
+        "model": model_name,
+        "architecture": arch.architecture,
+        "dtype": _dtype_name(dtype),
+        "num_layers": arch.num_layers,
+        "num_kv_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_size": arch.hidden_size,
+        "vocab_size": arch.vocab_size,
+        "eos_token_ids": list(arch.eos_token_ids),
+        "pipeline": pipeline.to_dict(),
+        "exporter": f"torch.onnx.export(dynamo=True), torch {torch.__version__}",
+        "external_data": external,
+        "inputs": [io_entry(name) for name in INPUTS],
+        "outputs": [io_entry(name) for name in ("logits", "hidden", *KV_OUTPUTS)],
+        "check": {"max_abs_diff": diffs} if diffs is not None else "skipped",
+    }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,163 @@
+"""ONNX export and the ONNX Runtime lowering (CPU EP): round trip, tree mask, KV commit, errors, lossless."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import specpass
+from specpass.backends.onnx_export import export
+from specpass.cli import main
+from specpass.drafters import DraftTree
+from specpass.passes import Pass, PassResult
+
+pytest.importorskip("onnxruntime")
+TREE = specpass.Pipeline(specpass.rewrites.TreeAttention(16))
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(tmp_path_factory):
+    """The three architectures' tiny models, each exported (with the default checks) once."""
+    out = {}
+    for arch in ("llama", "qwen2", "mistral"):
+        model = tiny_model(arch)
+        directory = str(tmp_path_factory.mktemp(f"onnx-{arch}"))
+        out[arch] = model, export(model, TREE, directory, force=True, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_export_round_trip(tiny_exports, arch):
+    model, result = tiny_exports[arch]
+    files = set(os.listdir(result.directory))
+    assert {"model.onnx", "pipeline.json", "manifest.json"} <= files
+    manifest = json.load(open(os.path.join(result.directory, "manifest.json")))
+    assert manifest["architecture"] == type(model).__name__ and manifest["dtype"] == "float32"
+    assert [i["name"] for i in manifest["inputs"]] == ["input_ids", "positions", "past_keys", "past_values",
+                                                      "past_mask", "tree_mask"]  # fmt: skip
+    assert manifest["inputs"][2]["shape"] == [2, 1, 2, "S", 8] and manifest["outputs"][0]["shape"] == [1, "T", 96]
+    assert specpass.Pipeline.from_dict(manifest["pipeline"]) == TREE
+    assert result.max_abs_diff is not None and result.max_abs_diff < 1e-4  # ORT vs PyTorch, float32
+    import onnx
+
+    onnx.checker.check_model(result.onnx_path)
+    graph_inputs = [i.name for i in onnx.load(result.onnx_path, load_external_data=False).graph.input]
+    assert graph_inputs == [i["name"] for i in manifest["inputs"]]
+
+
+def _prefill(program, prompt):
+    n = prompt.shape[0]
+    program.forward(prompt, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), 0)
+    program.commit(0, range(n))
+    return n
+
+
+def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
+    model, result = tiny_exports["llama"]
+    program = specpass.load_onnx(result.directory, cache_size=128)
+    n = _prefill(program, torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)))
+    tree = DraftTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 3, 2), (1.0,) * 6, (None,) * 6)
+    depths = torch.tensor(tree.depths())
+    tree_logits = program.forward(torch.tensor(tree.tokens), n + depths, tree.ancestor_mask(), n)
+    for leaf in (4, 5):
+        path, node = [], leaf
+        while node >= 0:
+            path.insert(0, node)
+            node = tree.parents[node]
+        chain = torch.tensor([tree.tokens[i] for i in path])
+        k = len(path)
+        chain_logits = program.forward(chain, n + torch.arange(k), torch.ones(k, k, dtype=torch.bool).tril(), n)
+        torch.testing.assert_close(tree_logits[path], chain_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
+    model, result = tiny_exports["qwen2"]
+    program = specpass.load_onnx(result.directory, cache_size=128)
+    prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
+    n = _prefill(program, prompt)
+    tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 2), (1.0,) * 4, (None,) * 4)  # node 1 is rejected
+    program.forward(torch.tensor(tree.tokens), n + torch.tensor(tree.depths()), tree.ancestor_mask(), n)
+    program.commit(n, [0, 2, 3])
+    accepted = torch.cat([prompt, torch.tensor([5, 7, 8])])
+    nxt = torch.tensor([9])
+    logits = program.forward(nxt, torch.tensor([n + 3]), torch.ones(1, 1, dtype=torch.bool), n + 3)
+    with torch.no_grad():
+        expected = model(torch.cat([accepted, nxt])[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_ort_decoding_equals_hf_greedy(tiny_exports, arch):
+    model, result = tiny_exports[arch]
+    program = specpass.load_onnx(result.directory, cache_size=200)
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(seed))
+        out = specpass.generate(program, ids, max_new_tokens=40, eos_token_id=[])
+        reference = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        assert torch.equal(out.sequences, reference)
+    assert out.stats.tau > 1.0
+
+
+def test_cache_grows_past_its_first_bucket(tiny_exports):
+    model, result = tiny_exports["llama"]
+    program = specpass.load_onnx(result.directory, cache_size=600)
+    ids = torch.randint(0, 96, (1, 250), generator=torch.Generator().manual_seed(5))
+    out = specpass.generate(program, ids, max_new_tokens=60, eos_token_id=[])
+    assert program.keys.shape[3] == 512  # 256 slots, then grown once
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None))
+
+
+class _Unexportable(Pass):
+    def check(self, gm):
+        return None
+
+    def rewrite(self, gm):
+        return PassResult(gm, False)
+
+
+def test_export_errors(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(specpass.UnsupportedArchitectureError, match="supported architectures"):
+        export(gpt2, TREE, str(tmp_path / "gpt2"), progress=False)
+    with pytest.raises(specpass.ExportError, match="cannot express pass _Unexportable"):
+        export(tiny_model(), specpass.Pipeline(_Unexportable()), str(tmp_path / "x"), progress=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("user data")
+    with pytest.raises(specpass.ExportError, match="exists and is not empty; pass --force"):
+        export(tiny_model(), TREE, str(tmp_path / "full"), progress=False)
+    assert (tmp_path / "full" / "keep.txt").exists()
+    with pytest.raises(specpass.SpecpassError, match="no manifest.json"):
+        specpass.load_onnx(str(tmp_path / "full"))
+    assert main(["generate", "--backend", "onnxrt", "--prompt", "hi"]) == 2  # --model is required
+
+
+def test_float16_export_is_checked(tmp_path):
+    result = export(tiny_model().half(), TREE, str(tmp_path / "fp16"), progress=False)
+    assert result.manifest["dtype"] == "float16" and result.max_abs_diff < 5e-2
+
+
+@pytest.fixture(scope="module")
+def default_export(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("onnx-default") / "out")
+    assert main(["export", "-o", directory]) == 0  # the CLI, as the README runs it
+    return directory
+
+
+def test_default_model_on_ort_equals_hf_greedy(default_export, cases):
+    manifest = json.load(open(os.path.join(default_export, "manifest.json")))
+    assert manifest["architecture"] == "LlamaForCausalLM" and max(manifest["check"]["max_abs_diff"].values()) < 1e-4
+    program = specpass.load_onnx(default_export)
+    for ids, reference in cases:
+        out = specpass.generate(program, ids, max_new_tokens=128)
+        assert torch.equal(out.sequences, reference)
+
+
+def test_cli_generate_on_ort(default_export, capsys):
+    assert main(["generate", "--backend", "onnxrt", "--model", default_export, "--max-new-tokens", "24",
+                 "--prompt", "Write a Python function that reverses a string."]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "identical to greedy: True" in printed and "plain greedy (ORT)" in printed
