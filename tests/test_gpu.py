@@ -68,3 +68,21 @@ def test_lossless_on_gpu_with_cuda_graphs(dtype):
         assert where[1] is not None and where[1] <= BF16_TIE_ULPS * where[2], f"not a near-tie: {where}"
         ties.append(where)
     print(f"{dtype}: {exact}/{len(cases)} identical, near-tie divergences (position, top-2 gap, ulp): {ties}")
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_ort_cuda_ep_with_iobinding_equals_hf_greedy(tmp_path, cuda_graphs):
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDA EP here (install onnxruntime-gpu)")
+    from specpass.backends.onnx_export import export
+
+    model = tiny_model("llama")
+    export(model, specpass.Pipeline(specpass.rewrites.TreeAttention(16)), str(tmp_path), progress=False)
+    program = specpass.load_onnx(str(tmp_path), device="cuda", cache_size=300, cuda_graphs=cuda_graphs)
+    assert program.keys.device.type == "cuda"  # the KV cache lives on the GPU, bound with IOBinding
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(seed))
+        out = specpass.generate(program, ids.cuda(), max_new_tokens=40, eos_token_id=[])
+        reference = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        assert torch.equal(out.sequences.cpu(), reference)

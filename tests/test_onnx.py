@@ -161,3 +161,14 @@ def test_cli_generate_on_ort(default_export, capsys):
                  "--prompt", "Write a Python function that reverses a string."]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "identical to greedy: True" in printed and "plain greedy (ORT)" in printed
+
+
+def test_cli_exports_a_local_hf_directory(tmp_path):
+    model = tiny_model("mistral")
+    model.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check"]) == 0
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["architecture"] == "MistralForCausalLM" and manifest["check"] == "skipped"
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out)]) == 2  # exists, no --force
+    assert main(["export", str(tmp_path / "missing"), "-o", str(tmp_path / "o2")]) == 2

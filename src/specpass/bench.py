@@ -2,8 +2,10 @@
 
 Baselines: HF `generate` greedy (eager, dynamic cache), HF with a static cache + torch.compile (where
 it runs), HF prompt lookup (`prompt_lookup_num_tokens=10`, a chain), HF early exit
-(`assistant_early_exit`, the model's first layers as draft). specpass rows: the prompt-lookup tree,
-the token-recycling tree and both combined. Every specpass output is checked against HF greedy.
+(`assistant_early_exit`, the model's first layers as draft). specpass rows: one-node trees (plain
+greedy through specpass's lowering), the prompt-lookup tree, the token-recycling tree and both
+combined, on PyTorch; plain greedy and the combined tree on ONNX Runtime (the `specpass export` of
+the default model). Every specpass output is checked against HF greedy.
 Writes `<out>/<device>.json` and `<out>/<device>.png`.
 """
 
@@ -27,11 +29,13 @@ SPECPASS_ROWS = {"specpass_greedy": ("prompt-lookup", 1), "specpass_prompt_looku
                  "specpass_token_recycling": ("token-recycling", 64), "specpass_combined": ("combined", 64)}  # fmt: skip
 NOTES = (
     "tau = new tokens / target forwards, prefill included, for every method. specpass rows use the default "
-    "lowering (onednn on a CPU, cudagraphs on a GPU) and choose each step's tree size from the measured cost "
+    "lowering (onednn on a CPU, cudagraphs on a GPU; specpass_onnxrt_* run the ONNX export on ONNX Runtime: "
+    "CPU EP, or CUDA EP with IOBinding and CUDA graphs) and choose each step's tree size from the measured cost "
     "curve (up to 64 nodes). Token Recycling's table carries over from prompt to prompt within a set (the "
     "paper's hot start); each set starts cold. hf_early_exit's tau is not reported: its draft forwards hit "
     "the same forward hook."
 )
+ORT_ROWS = {"specpass_onnxrt_greedy": ("prompt-lookup", 1), "specpass_onnxrt_combined": ("combined", 64)}
 STATIC_CACHE_LEN = 1024  # one static cache shape for every prompt, so the compiled HF forward compiles once
 EARLY_EXIT_LAYER = 8
 CODE_OFFSET = 120  # evaluation prompts: HumanEval 120.. (the tests use 0..), chat: stdlib docstrings
@@ -93,33 +97,51 @@ def _hf_runner(model, counter, device, name, compiled_forward):
 
 def _compiled_forward(model, device):
     """HF's forward under torch.compile: CUDA graphs on a GPU; on a CPU inductor with weight freezing
-    (it packs the linear weights for oneDNN, as specpass's CPU lowering does)."""
+    (it packs the linear weights for oneDNN, as specpass's CPU lowering does). Freezing is set in
+    inductor's global config: compilation is lazy, and only the global setting reaches it (measured:
+    `options={"freezing": True}` left the forward at plain-eager speed)."""
     if device.type == "cuda":
         return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    return torch.compile(model.forward, fullgraph=True, options={"freezing": True})
+    import torch._inductor.config
+
+    torch._inductor.config.freezing = True
+    return torch.compile(model.forward, fullgraph=True)
 
 
-def _specpass_runner(model, drafter_name, max_nodes):
+def _specpass_runner(program):
     import specpass
-    from specpass.drafters.registry import drafter_by_name
 
-    options = {"drafter": drafter_by_name(drafter_name),
-               "pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(max_nodes=max_nodes))}  # fmt: skip
-    compiled = torch.compile(model, backend="specpass", options=options)
-    program = specpass.compile_program(compiled)
-    program.cost_curve  # build and measure before timing
+    program.cost_curve  # measured before timing
 
     def run(ids, max_new_tokens):
-        out = specpass.generate(compiled, ids, max_new_tokens)
+        out = specpass.generate(program, ids, max_new_tokens)
         s = out.stats
         return out.sequences, s.new_tokens, s.target_forwards, s.seconds
 
     return run, program
 
 
+def _ort_program(device, drafter, max_nodes, export_dir):
+    """The default model exported once (float32, TreeAttention(64)) into export_dir, run on ONNX Runtime."""
+    import specpass
+    from specpass.backends.onnx_export import export
+
+    if not os.path.exists(os.path.join(export_dir, "manifest.json")):
+        model, tokenizer = specpass.load_default_model()  # a CPU copy: the check compares ORT CPU with it
+        with torch.no_grad():
+            export(model, specpass.Pipeline(specpass.rewrites.TreeAttention(64)), export_dir, tokenizer=tokenizer)
+    return specpass.load_onnx(export_dir, drafter=drafter, device=device, max_nodes=max_nodes,
+                              cuda_graphs=device.type == "cuda")  # fmt: skip
+
+
 def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/results", compile_baseline=True):
+    import tempfile
+
     import specpass
     from specpass import prompts as P
+    from specpass.drafters.registry import drafter_by_name
+
+    export_dir = os.path.join(tempfile.mkdtemp(prefix="specpass-bench-"), "onnx")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = specpass.load_default_model(device=device)
@@ -139,11 +161,22 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
         runners[name] = _hf_runner(model, counter, device, name, compiled_forward)
     programs = {}  # specpass rows: their programs keep Token Recycling's table from prompt to prompt
     for name, (drafter, max_nodes) in SPECPASS_ROWS.items():
-        runners[name], programs[name] = _specpass_runner(model, drafter, max_nodes)
-    # Warm-up on two prompts outside the evaluation sets: two prompt lengths make the compiled HF
-    # forward settle on a dynamic prefill graph before anything is timed.
+        options = {"drafter": drafter_by_name(drafter),
+                   "pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(max_nodes=max_nodes))}  # fmt: skip
+        program = specpass.compile_program(torch.compile(model, backend="specpass", options=options))
+        runners[name], programs[name] = _specpass_runner(program)
+    for name, (drafter, max_nodes) in ORT_ROWS.items():
+        try:
+            program = _ort_program(device, drafter_by_name(drafter), max_nodes, export_dir)
+        except Exception as exc:  # no onnxruntime, or no CUDA EP for a GPU run: reported, not fatal
+            skipped[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        runners[name], programs[name] = _specpass_runner(program)
+    # Warm-up on three prompts outside the evaluation sets: several prompt lengths make the compiled
+    # HF forward settle on a dynamic prefill graph before anything is timed.
     warm = [P.encode_chat(tokenizer, [{"role": "user", "content": text}]).to(device)
-            for text in ("Say hello.", "Name three colours and say which one you like best, and why.")]  # fmt: skip
+            for text in ("Say hello.", "Name three colours and say which one you like best, and why.",
+                         "Explain in two sentences what a hash table is and when a list is the better choice.")]
     for name, run in runners.items():
         try:
             for ids in warm:

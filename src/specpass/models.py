@@ -42,14 +42,17 @@ def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.d
 
 def load_model(source: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model, tokenizer, name) from the embedded default (source None), a local Hugging Face model
-    directory, or a local GGUF file. Nothing is downloaded."""
+    directory (tokenizer None when it holds none), or a local GGUF file. Nothing is downloaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if source is None:
         model, tokenizer = load_default_model(dtype, device)
         return model, tokenizer, DEFAULT_MODEL_NAME
     if os.path.isdir(source):
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        except (OSError, ValueError):  # a model directory without tokenizer files
+            tokenizer = None
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
     elif os.path.isfile(source) and source.endswith(".gguf"):
         folder, name = os.path.split(os.path.abspath(source))

@@ -1,6 +1,12 @@
 """Prompt lookup: draft the continuation of earlier occurrences of the last n tokens (PLD, CopySpec).
 
 Unlike HF's prompt lookup (one chain), every distinct continuation found becomes a branch of the tree.
+
+Acceptance is estimated per *match length*: a continuation token copied after an n-token match, at
+offset k into the copy, extends a match of n + k tokens once its predecessors are accepted, and
+longer matches are likelier to go on (measured on development prompts, HumanEval 140-163 and chat
+summaries 10-33: 0.19 after a 1-token match, 0.48 after 2, 0.68 after 3, 0.79 after 4, ~0.88 past
+7). Keying the running rates by that length keeps a copy that is going well deep in the tree.
 """
 
 from __future__ import annotations
@@ -14,6 +20,11 @@ from specpass.drafters.base import Drafter, DraftSession, check_params
 from specpass.drafters.stats import AcceptanceStats
 
 
+# P(copied token accepted | its parent was), by the match length it would extend (capped at MAX_MATCH).
+_PRIORS = {1: 0.2, 2: 0.45, 3: 0.65, 4: 0.75, 5: 0.78, 6: 0.8, 7: 0.85}
+MAX_MATCH = 10
+
+
 @dataclass(frozen=True)
 class PromptLookup(Drafter):
     """max_ngram..min_ngram: suffix lengths matched (longest first); max_branches distinct continuations
@@ -21,7 +32,7 @@ class PromptLookup(Drafter):
 
     max_ngram: int = 3
     min_ngram: int = 1
-    max_depth: int = 10
+    max_depth: int = 16
     max_branches: int = 4
 
     def __post_init__(self):
@@ -40,7 +51,7 @@ class PromptLookupSession(DraftSession):
     def __init__(self, config: PromptLookup):
         self.config = config
         # P(next copied token accepted | previous accepted), keyed by the matched n-gram length.
-        self.stats = AcceptanceStats({1: 0.35, 2: 0.55, 3: 0.65}, default=0.65)
+        self.stats = AcceptanceStats(_PRIORS, default=0.88)
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {
             n: {} for n in range(config.min_ngram, config.max_ngram + 1)
         }
@@ -88,8 +99,10 @@ class _Branches:
         n, tokens = self.branches[branch]
         if offset >= len(tokens):
             return []
-        prob = self.stats.rate(n) / (1 + branch) if offset == 0 else self.stats.rate(n)
-        return [(tokens[offset], prob, n, (branch, offset))]
+        match = min(n + offset, MAX_MATCH)  # the match length this token extends
+        rate = self.stats.rate(match)
+        prob = rate / (1 + branch) if offset == 0 else rate  # later occurrences: less likely
+        return [(tokens[offset], prob, match, (branch, offset))]
 
     def root_candidates(self):
         return [c for b in range(len(self.branches)) for c in self._at(b, 0)]
