@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specpass.backends.program import DecodeProgram
-from specpass.drafters import Drafting, DraftTree, accept_greedy, expected_tokens
+from specpass.drafters import Drafting, Verified, DraftTree, accept_greedy, expected_tokens
 from specpass.errors import CacheCapacityError, InvalidParameterError
 
 TOPK = 8
@@ -92,7 +92,7 @@ def generate(
 ) -> Generation:
     """Greedy speculative decoding of `input_ids` [1, P] with the program's drafter (and its memory)."""
     check_request(input_ids, max_new_tokens, program.cache_size)
-    curve = program.cost_curve
+    curve = program.cost_curve if program.budget == "cost" else None
     device = program.device
     eos = set(eos_token_ids)
     started = time.perf_counter()
@@ -102,13 +102,14 @@ def generate(
     prompt = input_ids[0].to(device)
     positions = torch.arange(n_prompt, device=device)
     causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=device).tril()
-    logits = program.forward(prompt, positions, causal, start=0)  # [P, V]
+    logits, hidden = program.forward(prompt, positions, causal, start=0)  # [P, V], [P, H]
     program.commit(0, range(n_prompt))  # the prompt is a chain: every node is kept
-    prompt_topk = logits.topk(TOPK, dim=-1).indices.cpu()
-    tokens.append(int(prompt_topk[-1, 0]))
+    prefill = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden)
+    tokens.append(int(prefill.topk[-1, 0]))
     cached, forwards, sizes = n_prompt, 1, []
     steps: list[int] = []
-    drafting = Drafting(program.drafter.sessions(tokens[:n_prompt], prompt_topk, program.drafter_memory))
+    sessions = program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft)
+    drafting = Drafting(sessions)
     finish = _finished(tokens, n_prompt, max_new_tokens, eos)
 
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
@@ -122,24 +123,26 @@ def generate(
         tree = drafting.draft(tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
         if not program.tree:
             tree = _as_chain(tree)
-        tree = tree.prefix(curve.best_size(expected_tokens(tree), overhead))
+        size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
+        tree = tree.prefix(size)
         depths = torch.tensor(tree.depths(), device=device)
-        logits = program.forward(
+        logits, hidden = program.forward(
             torch.tensor(tree.tokens, device=device), cached + depths, tree.ancestor_mask().to(device), start=cached
-        )  # [T, V]
-        topk = logits.topk(TOPK, dim=-1).indices.cpu()  # [T, k]
-        path = accept_greedy(tree, topk[:, 0].tolist())
+        )  # [T, V], [T, H]
+        verified = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden)  # top-k [T, k]
+        path = accept_greedy(tree, verified.topk[:, 0].tolist())
         program.commit(cached, path)
-        new = [tree.tokens[i] for i in path[1:]] + [int(topk[path[-1], 0])]
-        drafting.observe(tree, topk, path, tokens)
+        new = [tree.tokens[i] for i in path[1:]] + [int(verified.topk[path[-1], 0])]
+        drafting.observe(tree, verified, path, tokens)
         cached += len(path)
         forwards += 1
         sizes.append(len(tree))
         emitted = _emit(tokens, new, n_prompt, max_new_tokens, eos)
         steps.append(emitted)
         finish = _finished(tokens, n_prompt, max_new_tokens, eos)
-        outside = time.perf_counter() - step_started - curve.latency(len(tree))
-        overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
+        if curve is not None:
+            outside = time.perf_counter() - step_started - curve.latency(len(tree))
+            overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)

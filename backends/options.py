@@ -13,6 +13,11 @@ from specpass.rewrites import TreeAttention
 LOWERINGS = ("auto", "eager", "onednn", "cudagraphs")
 
 
+def check_budget(budget) -> None:
+    if budget != "cost" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise InvalidParameterError(f"options['budget'] must be 'cost' or a positive int, got {budget!r}")
+
+
 def default_pipeline() -> Pipeline:
     return Pipeline(TreeAttention())
 
@@ -22,14 +27,19 @@ class CompileOptions:
     """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
     lowering: eager, onednn (float32 on CPU), cudagraphs (CUDA) or auto (cudagraphs on CUDA, onednn on
     a CPU that has it, else eager);
-    cache_size: static KV-cache slots (prompt + generated tokens + one tree)."""
+    cache_size: static KV-cache slots (prompt + generated tokens + one tree);
+    budget: "cost" (each step verifies the prefix of the drafted tree that maximises expected tokens
+    per second on the measured cost curve) or an int N (always the first N nodes: a fixed budget,
+    e.g. the 64 nodes a GPU verifies at the price of one, for the largest tau)."""
 
     pipeline: Pipeline = field(default_factory=default_pipeline)
     drafter: Drafter = field(default_factory=default_drafter)
     lowering: str = "auto"
     cache_size: int = 2048
+    budget: str | int = "cost"
 
     def __post_init__(self):
+        check_budget(self.budget)
         if not isinstance(self.pipeline, Pipeline):
             raise InvalidParameterError(f"options['pipeline'] must be a specpass.Pipeline, got {self.pipeline!r}")
         if not isinstance(self.drafter, Drafter):

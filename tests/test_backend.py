@@ -46,6 +46,8 @@ def test_generate_uses_the_options_given_to_torch_compile():
         ({"drafter": "ngram"}, "must be a specpass drafter"),
         ({"lowering": "tensorrt"}, "lowering"),
         ({"cache_size": 1}, "cache_size"),
+        ({"budget": "max"}, "budget"),
+        ({"budget": 0}, "budget"),
     ],
 )
 def test_invalid_options_are_clear_errors(options, message):

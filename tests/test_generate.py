@@ -101,3 +101,14 @@ def test_tree_budget_follows_the_cost_curve(default_model, cases):
     assert curve.sizes[0] == 1 and curve.sizes[-1] == 8 and all(s > 0 for s in curve.seconds)
     out = specpass.generate(compiled, cases[0][0], max_new_tokens=32)
     assert 1.0 <= out.stats.mean_tree_size <= 8.0
+
+
+def test_fixed_budget_verifies_the_full_tree(default_model, cases):
+    model, _ = default_model
+    options = {"budget": 12, "pipeline": specpass.Pipeline(TreeAttention(64))}
+    ids, reference = cases[0]
+    out = specpass.generate(model, ids, max_new_tokens=128, options=options)
+    assert torch.equal(out.sequences, reference)
+    program = specpass.compile_program(model, specpass.CompileOptions(**options))
+    assert program._cost is None  # a fixed budget never measures the cost curve
+    assert 8.0 < out.stats.mean_tree_size <= 12.0  # the drafters fill the budget nearly every step
