@@ -42,6 +42,7 @@ class CompiledStep:
     """A rewritten, lowered decode step: call it with the graph's inputs as keywords."""
 
     run: Callable  # the lowering (EagerStep or CudaGraphStep)
+    draft: Callable | None  # the lowered draft graph (rewrites.DraftHeads), if the pipeline adds one
     graph_module: torch.fx.GraphModule  # the rewritten graph, owner of the KV cache buffers
     report: PassReport
     arch: ArchSpec
@@ -60,8 +61,8 @@ def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions) -> CompiledStep
     rewritten, report = opts.pipeline.run(gm)
     tree = next((p for p in opts.pipeline if isinstance(p, TreeAttention)), None)
     max_nodes = tree.max_nodes if tree is not None else 16
-    run = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes, rewritten.k_cache.shape[3])
-    return CompiledStep(run, rewritten, report, arch_of(rewritten), max_nodes)
+    run, draft = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes, rewritten.k_cache.shape[3])
+    return CompiledStep(run, draft, rewritten, report, arch_of(rewritten), max_nodes)
 
 
 def check_dynamo_graph(gm: torch.fx.GraphModule) -> None:

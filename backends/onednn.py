@@ -38,23 +38,29 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linears(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of `gm` whose float32 CPU linears run on oneDNN-packed weights (see module docstring)."""
+def pack_linears(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None = None) -> torch.fx.GraphModule:
+    """A copy of `gm` whose float32 CPU linears run on oneDNN-packed weights (see module docstring).
+
+    packed: id(weight) -> packed weight, shared between graphs lowered together (the verify and the
+    draft graph share the LM head), so each weight is packed once.
+    """
     lowered = copy_step(gm)
     graph = lowered.graph
-    packed: dict[int, str] = {}  # id(weight) -> buffer name
+    packed = {} if packed is None else packed
+    names: dict[int, str] = {}  # id(weight) -> buffer name in this graph
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
         module = lowered.get_submodule(node.target)
         if not isinstance(module, nn.Linear) or not available(module.weight.device, module.weight.dtype):
             continue
-        name = packed.get(id(module.weight))
-        if name is None:
-            name = f"packed_{len(packed)}"
-            weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-            lowered.register_buffer(name, weight, persistent=False)
-            packed[id(module.weight)] = name
+        key = id(module.weight)
+        if key not in packed:
+            packed[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+        if key not in names:
+            names[key] = f"packed_{len(names)}"
+            lowered.register_buffer(names[key], packed[key], persistent=False)
+        name = names[key]
         with graph.inserting_before(node):
             weight_node = graph.get_attr(name)
             bias_node = graph.get_attr(f"{node.target}.bias") if module.bias is not None else None

@@ -76,12 +76,14 @@ class OrtProgram(DecodeProgram):
         device: str | torch.device = "cpu",
         cache_size: int = 2048,
         max_nodes: int | None = None,
+        budget: str | int = "cost",
         cuda_graphs: bool = False,
     ):
         """directory: a `specpass export` output; drafter: default prompt lookup + token recycling;
         device: cpu (CPU EP) or cuda (CUDA EP); cache_size: KV slots; max_nodes: cap on the tree
-        size (default: the exported TreeAttention's max_nodes; 1 is plain greedy decoding)."""
-        super().__init__(drafter if drafter is not None else default_drafter())
+        size (default: the exported TreeAttention's max_nodes; 1 is plain greedy decoding); budget:
+        "cost" or a fixed node count, as in CompileOptions."""
+        super().__init__(drafter if drafter is not None else default_drafter(), budget)
         if not isinstance(cache_size, int) or cache_size < 2:
             raise InvalidParameterError(f"cache_size must be an int >= 2, got {cache_size!r}")
         self.manifest = read_manifest(directory)
@@ -124,7 +126,7 @@ class OrtProgram(DecodeProgram):
             new[:, :, :, :have] = old
             setattr(self, name, new)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, tokens, positions, tree_mask, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = tokens.shape[0]
         self._reserve(start + 1)
         slots = self.keys.shape[3]
@@ -135,7 +137,7 @@ class OrtProgram(DecodeProgram):
         }  # fmt: skip
         outputs = self._run_graph(inputs, t) if self.cuda_graphs else self._run(inputs, t)
         self._new = (outputs["new_keys"], outputs["new_values"])
-        return outputs["logits"][0]
+        return outputs["logits"][0], outputs["hidden"][0]
 
     def commit(self, start: int, path: Sequence[int]) -> None:
         if self._new is None:

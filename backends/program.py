@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,18 +17,32 @@ from torch import nn
 from specpass.backends import cost
 from specpass.backends.compile import specpass_backend
 from specpass.backends.kv import compact
-from specpass.backends.options import CompileOptions
+from specpass.backends.options import CompileOptions, check_budget
 from specpass.drafters import Drafter
+from specpass.heads.modules import HeadsConfig
 from specpass.ir import capture
+from specpass.rewrites.draft_heads import DRAFT_META
 
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class LoweredDraft:
+    """A lowered draft graph with its heads' config: what drafters see as `DraftModel`."""
+
+    run: Callable  # called with the draft graph's inputs as keywords
+    config: HeadsConfig
+
+    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return self.run(hidden=hidden, tokens=tokens, head=head)  # [N, V]
 
 
 class DecodeProgram(ABC):
     """A verify step with its KV cache, the drafter feeding it, and the device's measured cost curve.
 
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), tree (False: chains only),
-    eos_token_ids, and implement `forward` and `commit`.
+    eos_token_ids, and implement `forward` and `commit`. budget: "cost" (tree size from the measured
+    cost curve, per step) or a fixed number of nodes.
     """
 
     device: torch.device
@@ -36,14 +51,20 @@ class DecodeProgram(ABC):
     tree: bool
     eos_token_ids: tuple[int, ...]
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, budget: str | int = "cost"):
+        check_budget(budget)
         self.drafter = drafter
+        self.budget = budget  # "cost", or a fixed number of tree nodes per step
         self.drafter_memory = drafter.new_memory()
         self._cost: cost.CostCurve | None = None
 
+    draft = None  # the draft graph (rewrites.DraftHeads) as a callable, when the pipeline has one
+
     @abstractmethod
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, start: int) -> torch.Tensor:
-        """Run T tokens whose K/V go to slots [start, start + T); returns logits [T, V].
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run T tokens whose K/V go to slots [start, start + T); returns logits [T, V], hidden [T, H].
 
         tokens, positions: [T] int64; tree_mask: [T, T] ancestor mask (lower-triangular all-True, a
         chain, when the program has no TreeAttention). Slots [0, start) are the committed prefix.
@@ -72,7 +93,7 @@ class DecodeProgram(ABC):
 
 class SpeculativeProgram(DecodeProgram):
     def __init__(self, model: nn.Module, options: CompileOptions):
-        super().__init__(options.drafter)
+        super().__init__(options.drafter, options.budget)
         self.options = options
         captured = capture(model, cache_size=options.cache_size)
         self.step = specpass_backend(captured, [], options=options)
@@ -85,6 +106,8 @@ class SpeculativeProgram(DecodeProgram):
         self.cache_size = self.k_cache.shape[3]
         self.tree = "tree_mask" in self.step.input_names
         self.max_nodes = self.step.max_nodes
+        if self.step.draft is not None:
+            self.draft = LoweredDraft(self.step.draft, gm.meta[DRAFT_META])
 
     def forward(self, tokens, positions, tree_mask, start: int) -> torch.Tensor:
         t = tokens.shape[0]
@@ -92,8 +115,8 @@ class SpeculativeProgram(DecodeProgram):
         if self.tree:
             inputs["tree_mask"] = tree_mask[None]
             inputs["cache_slots"] = torch.arange(start, start + t, device=self.device)
-        logits, _ = self.step(**inputs)
-        return logits[0]
+        logits, hidden = self.step(**inputs)[:2]
+        return logits[0], hidden[0]
 
     def commit(self, start: int, path: Sequence[int]) -> None:
         moved = [(start + node, start + i) for i, node in enumerate(path) if node != i]

@@ -11,7 +11,7 @@ from torch import nn
 from specpass.errors import InvalidParameterError
 from specpass.ir import decode_step as ds
 from specpass.ir.arch import ArchSpec, arch_spec
-from specpass.ir.roles import META_KEY, NodeInfo, Role
+from specpass.ir.roles import DRAFT_MODULE, META_KEY, NodeInfo, Role
 from specpass.ir.verify import verify
 
 ARCH_META = "specpass_arch"
@@ -127,7 +127,10 @@ def is_captured_step(gm: torch.fx.GraphModule) -> bool:
 
 
 def copy_step(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A new GraphModule with a copied graph (node meta included) sharing gm's parameters and buffers."""
+    """A new GraphModule with a copied graph (node meta included) sharing gm's parameters, buffers
+    and draft graph."""
     new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.meta.update(gm.meta)
+    if hasattr(gm, DRAFT_MODULE):  # not referenced by the verify graph, so GraphModule would drop it
+        new.add_submodule(DRAFT_MODULE, getattr(gm, DRAFT_MODULE))
     return new

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch.fx
 
 META_KEY = "specpass"
+DRAFT_MODULE = "draft"  # a step's draft graph (rewrites.DraftHeads), beside the verify graph
 
 
 class Role(enum.Enum):

@@ -7,9 +7,10 @@ import collections
 import torch.fx
 
 from specpass.errors import GraphVerificationError
-from specpass.ir.roles import META_KEY, Role, info, nodes_with_role, placeholder
+from specpass.ir.roles import DRAFT_MODULE, META_KEY, Role, info, nodes_with_role, placeholder
 
 REQUIRED_INPUTS = ("input_ids", "positions", "kv_len")
+DRAFT_INPUTS = ("hidden", "tokens", "head")
 TREE_INPUTS = ("tree_mask", "cache_slots")
 
 
@@ -53,6 +54,24 @@ def verify(gm: torch.fx.GraphModule) -> None:
     outputs = [n for n in graph.nodes if n.op == "output"]
     if len(outputs) != 1 or not isinstance(outputs[0].args[0], tuple) or len(outputs[0].args[0]) < 2:
         _fail("the step must return (logits, hidden, ...)")
+    if hasattr(gm, DRAFT_MODULE):
+        _verify_draft(getattr(gm, DRAFT_MODULE), gm)
+
+
+def _verify_draft(draft: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None:
+    """The draft graph: linted, annotated, reading (hidden, tokens, head), sharing the step's LM head."""
+    try:
+        draft.graph.lint()
+    except Exception as exc:
+        _fail(f"draft graph lint failed: {exc}")
+    for node in draft.graph.nodes:
+        if META_KEY not in node.meta:
+            _fail(f"draft node {node.name} has no specpass annotation")
+    inputs = [n.target for n in draft.graph.nodes if n.op == "placeholder"]
+    if inputs != list(DRAFT_INPUTS):
+        _fail(f"the draft graph's inputs are {inputs}, expected {list(DRAFT_INPUTS)}")
+    if draft.get_submodule("lm_head") is not gm.get_submodule("lm_head"):
+        _fail("the draft graph must share the step's LM head, not a copy")
 
 
 def _verify_layers(graph: torch.fx.Graph, num_layers: int) -> None:

@@ -3,8 +3,12 @@ import torch
 from specpass.backends.cost import CostCurve
 from specpass.backends.kv import compact
 from specpass.drafters import (
-    Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, accept_greedy, build_tree, expected_tokens,
+    Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, Verified, accept_greedy, build_tree, expected_tokens,
 )  # fmt: skip
+
+
+def _verified(topk: torch.Tensor) -> Verified:
+    return Verified(topk, torch.zeros(topk.shape[0], 4))
 
 
 def test_compact_moves_the_accepted_path_into_place():
@@ -26,7 +30,7 @@ def test_accept_greedy_follows_the_targets_choices():
 
 def test_prompt_lookup_branches_are_distinct_continuations():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 7, 1, 2, 3]
-    session = PromptLookup(max_depth=3).start(tokens, torch.zeros(len(tokens), 8, dtype=torch.long))
+    session = PromptLookup(max_depth=3).start(tokens, _verified(torch.zeros(len(tokens), 8, dtype=torch.long)))
     branches = session.branches(tokens)
     assert branches[0] == (3, [7, 7, 1]) and branches[1] == (3, [9, 1, 2])
 
@@ -34,7 +38,7 @@ def test_prompt_lookup_branches_are_distinct_continuations():
 def test_built_tree_prefixes_are_trees_and_merge_duplicates():
     tokens = [1, 2, 3, 9, 1, 2, 3]
     topk = torch.tensor([[2, 5], [3, 6], [9, 4], [1, 1], [2, 0], [3, 0], [9, 8]])
-    sessions = Combined(PromptLookup(), TokenRecycling(top_k=2)).sessions(tokens, topk)
+    sessions = Combined(PromptLookup(), TokenRecycling(top_k=2)).sessions(tokens, _verified(topk))
     tree = Drafting(sessions).draft(tokens, max_nodes=6, max_depth=4)
     assert len(tree) == 6 and tree.tokens[0] == 3
     pairs = [(tree.parents[i], tree.tokens[i]) for i in range(1, len(tree))]
@@ -48,10 +52,10 @@ def test_built_tree_prefixes_are_trees_and_merge_duplicates():
 
 
 def test_token_recycling_learns_successors_from_verify_steps():
-    session = TokenRecycling(top_k=2).start([1, 2], torch.tensor([[2, 3], [4, 5]]))
+    session = TokenRecycling(top_k=2).start([1, 2], _verified(torch.tensor([[2, 3], [4, 5]])))
     tree = build_tree(2, [session.candidates([1, 2])], max_nodes=3, max_depth=1)
     assert set(tree.tokens[1:]) <= {4, 5}
-    session.observe(tree, torch.tensor([[8, 9]] * len(tree)), [0], [1, 2])
+    session.observe(tree, _verified(torch.tensor([[8, 9]] * len(tree))), [0], [1, 2])
     again = build_tree(2, [session.candidates([1, 2])], max_nodes=2, max_depth=1)
     assert again.tokens[1] == 8
 
@@ -67,13 +71,13 @@ def test_cost_curve_picks_the_size_with_most_tokens_per_second():
 def test_token_recycling_table_is_inherited_by_the_next_generation():
     drafter = TokenRecycling(top_k=2)
     memory = drafter.new_memory()
-    first = drafter.start([1, 2], torch.tensor([[2, 3], [4, 5]]), memory)
+    first = drafter.start([1, 2], _verified(torch.tensor([[2, 3], [4, 5]])), memory)
     tree = build_tree(2, [first.candidates([1, 2])], max_nodes=3, max_depth=1)
-    first.observe(tree, torch.tensor([[8, 9]] * len(tree)), [0], [1, 2])
-    second = drafter.start([7], torch.tensor([[6, 6]]), memory)  # a new prompt, same program: hot start
+    first.observe(tree, _verified(torch.tensor([[8, 9]] * len(tree))), [0], [1, 2])
+    second = drafter.start([7], _verified(torch.tensor([[6, 6]])), memory)  # a new prompt, same program: hot start
     inherited = build_tree(2, [second.candidates([7, 2])], max_nodes=2, max_depth=1)
     assert inherited.tokens[1] == 8
-    cold = drafter.start([7], torch.tensor([[6, 6]]))
+    cold = drafter.start([7], _verified(torch.tensor([[6, 6]])))
     assert len(build_tree(2, [cold.candidates([7, 2])], max_nodes=2, max_depth=1)) == 1  # nothing known about 2
 
 
@@ -91,5 +95,5 @@ def test_combined_drafter_memory_is_one_per_member():
     drafter = Combined(PromptLookup(), TokenRecycling())
     memory = drafter.new_memory()
     assert memory[0] is None and len(memory[1]) == 0
-    sessions = drafter.sessions([1, 2, 1], torch.tensor([[2, 0], [1, 0], [2, 0]]), memory)
+    sessions = drafter.sessions([1, 2, 1], _verified(torch.tensor([[2, 0], [1, 0], [2, 0]])), memory)
     assert sessions[1].table is memory[1] and len(memory[1]) == 2

@@ -38,10 +38,10 @@ def _run_prefix_and_tree(step):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_onednn_step_equals_eager_step(arch):
     _, gm = _tree_step(arch)
-    expected = _run_prefix_and_tree(lower(gm, "eager", torch.device("cpu"), 16, 128))
+    expected = _run_prefix_and_tree(lower(gm, "eager", torch.device("cpu"), 16, 128)[0])
     gm.k_cache.zero_()
     gm.v_cache.zero_()
-    got = _run_prefix_and_tree(lower(gm, "onednn", torch.device("cpu"), 16, 128))
+    got = _run_prefix_and_tree(lower(gm, "onednn", torch.device("cpu"), 16, 128)[0])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -60,7 +60,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
     n = _prefill(program, torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)))
     tree = DraftTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 3, 2), (1.0,) * 6, (None,) * 6)
     depths = torch.tensor(tree.depths())
-    tree_logits = program.forward(torch.tensor(tree.tokens), n + depths, tree.ancestor_mask(), n)
+    tree_logits, _ = program.forward(torch.tensor(tree.tokens), n + depths, tree.ancestor_mask(), n)
     for leaf in (4, 5):
         path, node = [], leaf
         while node >= 0:
@@ -68,7 +68,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
             node = tree.parents[node]
         chain = torch.tensor([tree.tokens[i] for i in path])
         k = len(path)
-        chain_logits = program.forward(chain, n + torch.arange(k), torch.ones(k, k, dtype=torch.bool).tril(), n)
+        chain_logits, _ = program.forward(chain, n + torch.arange(k), torch.ones(k, k, dtype=torch.bool).tril(), n)
         torch.testing.assert_close(tree_logits[path], chain_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -82,7 +82,7 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     program.commit(n, [0, 2, 3])
     accepted = torch.cat([prompt, torch.tensor([5, 7, 8])])
     nxt = torch.tensor([9])
-    logits = program.forward(nxt, torch.tensor([n + 3]), torch.ones(1, 1, dtype=torch.bool), n + 3)
+    logits, _ = program.forward(nxt, torch.tensor([n + 3]), torch.ones(1, 1, dtype=torch.bool), n + 3)
     with torch.no_grad():
         expected = model(torch.cat([accepted, nxt])[None]).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""The `specpass` command: `generate` (speculative vs plain greedy on one prompt), `export` and `bench`."""
+"""The `specpass` command: `generate` (speculative vs plain greedy on one prompt), `export`, `train-heads`, `bench`."""
 
 from __future__ import annotations
 
@@ -39,9 +39,14 @@ def _pytorch_runs(args: argparse.Namespace):
     import specpass
     from specpass.drafters.registry import drafter_by_name
     from specpass.models import load_model
+    from specpass.passes import Pipeline
+    from specpass.rewrites import DraftHeads
 
     model, tokenizer, _ = load_model(args.model)
-    options = {"pipeline": _pipeline(args.pipeline), "drafter": drafter_by_name(args.drafter)}
+    pipeline = _pipeline(args.pipeline)
+    if args.heads is not None:
+        pipeline = Pipeline(*pipeline, DraftHeads(kind=args.heads, heads=args.heads_dir or "default"))
+    options = {"pipeline": pipeline, "drafter": drafter_by_name(args.drafter)}
     compiled = torch.compile(model, backend="specpass", options=options)
     specpass.compile_program(compiled)  # capture, rewrite, lower and measure the cost curve up front
 
@@ -125,6 +130,32 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
+    from specpass.models import load_model
+    from specpass.training_prompts import training_prompts
+
+    config = TrainConfig(kind=args.kind, num_heads=args.heads, prompts=args.prompts, epochs=args.epochs,
+                         max_new_tokens=args.max_new_tokens, seed=args.seed)  # fmt: skip
+    model, tokenizer, _ = load_model(args.model)
+    if args.corpus and os.path.exists(args.corpus):
+        corpus = [Continuation(tokens, start) for tokens, start in torch.load(args.corpus)]
+        print(f"corpus: {len(corpus)} sequences from {args.corpus}")
+    else:
+        corpus = generate_corpus(model, training_prompts(tokenizer, config.prompts), config.max_new_tokens)
+        if args.corpus:
+            torch.save([(c.tokens, c.start) for c in corpus], args.corpus)
+    _, heads, _ = train_heads(model, corpus, config, out_dir=args.out)
+    print(f"wrote {args.out}: {heads.num_heads} {heads.kind} heads for model {heads.model}")
+    for d, row in enumerate(heads.accuracy, start=1):
+        print(f"  head {d}: held-out top-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specpass.bench import run_benchmark
 
@@ -149,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention)")
     gen.add_argument("--drafter", choices=DRAFTER_NAMES, default="combined")
+    gen.add_argument("--heads", choices=("medusa", "hydra"), help="add draft heads to the pipeline (pytorch)")
+    gen.add_argument("--heads-dir", help="trained heads (default: the ones shipped for the default model)")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as raw text (no chat template)")
     gen.set_defaults(run=cmd_generate)
     exp = sub.add_parser("export", help="write the rewritten decode step as an ONNX model, checked on ORT")
@@ -159,6 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
     exp.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ORT/PyTorch comparison")
     exp.set_defaults(run=cmd_export)
+    heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads for a model")
+    heads.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
+    heads.add_argument("--kind", choices=("medusa", "hydra"), default="medusa")
+    heads.add_argument("--out", required=True, help="output directory (heads.safetensors + heads.json)")
+    heads.add_argument("--heads", type=int, default=4, help="number of heads K")
+    heads.add_argument("--prompts", type=int, default=240, help="training prompts (standard-library functions)")
+    heads.add_argument("--epochs", type=int, default=2)
+    heads.add_argument("--max-new-tokens", type=int, default=128, help="length of each greedy continuation")
+    heads.add_argument("--seed", type=int, default=0)
+    heads.add_argument("--corpus", help="file caching the generated corpus (read if present, else written)")
+    heads.set_defaults(run=cmd_train_heads)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")
     bench.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")
     bench.add_argument("--max-new-tokens", type=int, default=128)

@@ -1,6 +1,7 @@
-"""Training-free drafters feeding the tree verifier."""
+"""Drafters feeding the tree verifier: training-free (prompt lookup, token recycling) and draft heads."""
 
-from specpass.drafters.base import Combined, Drafter, Drafting, DraftSession, expected_tokens
+from specpass.drafters.base import Combined, Drafter, Drafting, DraftModel, DraftSession, Verified, expected_tokens
+from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.token_recycling import TokenRecycling
 from specpass.drafters.tree import DraftTree, accept_greedy, build_tree
@@ -13,12 +14,15 @@ def default_drafter() -> Drafter:
 
 __all__ = [
     "Combined",
+    "DraftModel",
     "DraftSession",
     "DraftTree",
     "Drafter",
     "Drafting",
+    "Heads",
     "PromptLookup",
     "TokenRecycling",
+    "Verified",
     "accept_greedy",
     "build_tree",
     "default_drafter",

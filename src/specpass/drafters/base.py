@@ -5,13 +5,33 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import CandidateSource, DraftTree, build_tree
 from specpass.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from specpass.heads.modules import HeadsConfig
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What a target forward tells the drafters about its T tokens (the prompt, or a verified tree)."""
+
+    topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token
+    hidden: torch.Tensor  # [T, H] on the model's device: final normed hidden states
+
+
+class DraftModel(Protocol):
+    """A program's draft graph (rewrites.DraftHeads), as the decode loop hands it to the drafters."""
+
+    config: HeadsConfig
+
+    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H], tokens [N, K], head [N] -> logits [N, V] (see heads.modules.DraftStep)."""
 
 
 class DraftSession(ABC):
@@ -23,9 +43,9 @@ class DraftSession(ABC):
     def candidates(self, tokens: Sequence[int]) -> CandidateSource:
         """The source of candidates for the tree rooted at tokens[-1]."""
 
-    def observe(self, tree: DraftTree, topk: torch.Tensor, path: Sequence[int], tokens: Sequence[int]) -> None:
-        """Learn from a verify step: topk [T, k] are the target's top-k tokens after each tree node;
-        tokens is the sequence up to and including the tree's root."""
+    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
+        """Learn from a verify step of `tree` whose accepted nodes are `path`; tokens is the sequence
+        up to and including the tree's root."""
 
 
 class Drafter(ABC):
@@ -40,12 +60,16 @@ class Drafter(ABC):
         return None
 
     @abstractmethod
-    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory: Any = None) -> DraftSession:
-        """prompt_topk [P, k]: the target's top-k next tokens after every prompt token (from prefill);
-        memory: what `new_memory` made, carried over from earlier generations (None: start cold)."""
+    def start(
+        self, prompt: Sequence[int], prefill: Verified, memory: Any = None, draft: DraftModel | None = None
+    ) -> DraftSession:
+        """prefill: the target's forward over the prompt; memory: what `new_memory` made, carried over
+        from earlier generations (None: start cold); draft: the program's draft graph, if it has one."""
 
-    def sessions(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory: Any = None) -> list[DraftSession]:
-        return [self.start(prompt, prompt_topk, memory)]
+    def sessions(
+        self, prompt: Sequence[int], prefill: Verified, memory: Any = None, draft: DraftModel | None = None
+    ) -> list[DraftSession]:
+        return [self.start(prompt, prefill, memory, draft)]
 
 
 @dataclass(frozen=True, init=False)
@@ -65,12 +89,12 @@ class Combined(Drafter):
     def new_memory(self) -> tuple:
         return tuple(d.new_memory() for d in self.drafters)
 
-    def start(self, prompt, prompt_topk, memory=None):  # pragma: no cover - Combined is expanded by `sessions`
+    def start(self, prompt, prefill, memory=None, draft=None):  # pragma: no cover - expanded by `sessions`
         raise TypeError("Combined drafters are started through sessions()")
 
-    def sessions(self, prompt, prompt_topk, memory=None) -> list[DraftSession]:
+    def sessions(self, prompt, prefill, memory=None, draft=None) -> list[DraftSession]:
         memories = memory if memory is not None else (None,) * len(self.drafters)
-        return [d.start(prompt, prompt_topk, m) for d, m in zip(self.drafters, memories)]
+        return [d.start(prompt, prefill, m, draft) for d, m in zip(self.drafters, memories)]
 
 
 class Drafting:
@@ -83,7 +107,7 @@ class Drafting:
         sources = [s.candidates(tokens) for s in self.sessions]
         return build_tree(tokens[-1], sources, max_nodes, max_depth)
 
-    def observe(self, tree: DraftTree, topk: torch.Tensor, path: Sequence[int], tokens: Sequence[int]) -> None:
+    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
         on_path = set(path)
         for i in range(1, len(tree)):
             origin = tree.origins[i]
@@ -91,7 +115,7 @@ class Drafting:
                 source, key = origin
                 self.sessions[source].stats.record(key, i in on_path)
         for session in self.sessions:
-            session.observe(tree, topk, path, tokens)
+            session.observe(tree, verified, path, tokens)
 
 
 def expected_tokens(tree: DraftTree) -> list[float]:
@@ -113,4 +137,4 @@ def check_params(owner: str, **params: object) -> None:
         _check_positive_int(owner, name, value)
 
 
-__all__ = ["Combined", "DraftSession", "Drafter", "Drafting", "Hashable", "check_params", "expected_tokens"]
+__all__ = ["Combined", "DraftModel", "DraftSession", "Drafter", "Drafting", "Verified", "check_params", "expected_tokens"]

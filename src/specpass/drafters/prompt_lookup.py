@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from specpass.drafters.base import Drafter, DraftSession, check_params
 from specpass.drafters.stats import AcceptanceStats
 
@@ -43,7 +41,7 @@ class PromptLookup(Drafter):
 
             raise InvalidParameterError(f"PromptLookup.min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
 
-    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory=None) -> DraftSession:
+    def start(self, prompt: Sequence[int], prefill, memory=None, draft=None) -> DraftSession:
         return PromptLookupSession(self)
 
 

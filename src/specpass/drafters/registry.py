@@ -1,21 +1,26 @@
-"""Drafters by name, for the command line."""
+"""Drafters by name, for the command line and the benchmark."""
 
 from __future__ import annotations
 
 from specpass.drafters import default_drafter
-from specpass.drafters.base import Drafter
+from specpass.drafters.base import Combined, Drafter
+from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.token_recycling import TokenRecycling
 from specpass.errors import InvalidParameterError
 
-DRAFTER_NAMES = ("combined", "prompt-lookup", "token-recycling")
+DRAFTERS = {
+    "combined": default_drafter,  # prompt lookup + token recycling (training-free)
+    "prompt-lookup": PromptLookup,
+    "token-recycling": TokenRecycling,
+    "heads": Heads,  # draft heads, dynamic tree (needs DraftHeads in the pipeline)
+    "heads-static": lambda: Heads(tree="static"),
+    "heads-combined": lambda: Combined(Heads(), PromptLookup(), TokenRecycling()),
+}
+DRAFTER_NAMES = tuple(DRAFTERS)
 
 
 def drafter_by_name(name: str) -> Drafter:
-    if name == "combined":
-        return default_drafter()
-    if name == "prompt-lookup":
-        return PromptLookup()
-    if name == "token-recycling":
-        return TokenRecycling()
-    raise InvalidParameterError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+    if name not in DRAFTERS:
+        raise InvalidParameterError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+    return DRAFTERS[name]()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.drafters.base import Drafter, DraftSession, check_params
+from specpass.drafters.base import Drafter, DraftSession, Verified, check_params
 from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import DraftTree
 
@@ -58,8 +58,9 @@ class TokenRecycling(Drafter):
     def new_memory(self) -> SuccessorTable:
         return SuccessorTable(self.max_pairs)
 
-    def start(self, prompt: Sequence[int], prompt_topk: torch.Tensor, memory=None) -> DraftSession:
-        return TokenRecyclingSession(self, prompt, prompt_topk, memory if memory is not None else self.new_memory())
+    def start(self, prompt: Sequence[int], prefill: Verified, memory=None, draft=None) -> DraftSession:
+        table = memory if memory is not None else self.new_memory()
+        return TokenRecyclingSession(self, prompt, prefill.topk, table)
 
 
 class TokenRecyclingSession(DraftSession):
@@ -83,9 +84,9 @@ class TokenRecyclingSession(DraftSession):
     def candidates(self, tokens: Sequence[int]):
         return _Successors(self, tokens[-2] if len(tokens) > 1 else -1, tokens[-1])
 
-    def observe(self, tree: DraftTree, topk: torch.Tensor, path: Sequence[int], tokens: Sequence[int]) -> None:
+    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
         root_previous = tokens[-2] if len(tokens) > 1 else -1  # tokens ends with the tree's root
-        for i, top in enumerate(topk[:, : self.k].tolist()):
+        for i, top in enumerate(verified.topk[:, : self.k].tolist()):
             parent = tree.parents[i]
             self.table.write(tree.tokens[parent] if parent >= 0 else root_previous, tree.tokens[i], top)
 

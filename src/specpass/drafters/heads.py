@@ -1,0 +1,136 @@
+"""Draft-head candidates for the tree: Medusa and Hydra heads (rewrites.DraftHeads) as a drafter.
+
+After every verify step the session runs the program's draft graph on the hidden state of the last
+accepted token t; the next tree's root is the target's own next token x[t+1], and head d proposes
+depth d.
+
+* Medusa: one draft call, head d's top-k at depth d under every depth d-1 node (the heads do not see
+  the drafted tokens).
+* Hydra: depth by depth, head d runs on the `beam` most probable depth d-1 nodes with their path's
+  tokens, one batched draft call per depth.
+
+Tree: "dynamic" scores a candidate with the head's softmax probability, so the tree grows by
+cumulative draft probability (DySpec / EAGLE-2 style); "static" scores it with the head's measured
+accuracy at that rank (heads.json), so every step's tree has the same shape: the best-first builder
+with fixed probabilities builds the sparse tree of largest expected accepted length for each budget
+(`heads.trees.optimal_static_tree`). Both compete with other drafters' candidates in one tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specpass.drafters.base import Drafter, DraftModel, DraftSession, Verified, check_params
+from specpass.drafters.stats import AcceptanceStats
+from specpass.drafters.tree import DraftTree
+from specpass.errors import InvalidParameterError
+
+TREES = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class Heads(Drafter):
+    """tree: dynamic or static (module docstring); top_k: candidates per head (Medusa) or per node
+    (Hydra); beam: Hydra nodes expanded per depth."""
+
+    tree: str = "dynamic"
+    top_k: int = 4
+    beam: int = 4
+
+    def __post_init__(self):
+        if self.tree not in TREES:
+            raise InvalidParameterError(f"Heads.tree must be one of {TREES}, got {self.tree!r}")
+        check_params("Heads", top_k=self.top_k, beam=self.beam)
+
+    def start(self, prompt: Sequence[int], prefill: Verified, memory=None, draft: DraftModel | None = None):
+        if draft is None:
+            raise InvalidParameterError(
+                "the Heads drafter needs draft heads in the pipeline: add rewrites.DraftHeads(kind=...)"
+            )
+        return HeadsSession(self, draft, prefill.hidden[-1], int(prefill.topk[-1, 0]))
+
+
+class HeadsSession(DraftSession):
+    def __init__(self, config: Heads, draft: DraftModel, hidden: torch.Tensor, root: int):
+        self.config = config
+        self.draft = draft
+        self.heads = draft.config
+        accuracy = self.heads.accuracy
+        priors = {(d, r): accuracy[d][r] for d in range(len(accuracy)) for r in range(len(accuracy[d]))}
+        self.stats = AcceptanceStats(priors, default=0.01)
+        self.hidden = hidden  # [H] of the token before the root
+        self.root = root
+
+    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
+        self.hidden = verified.hidden[path[-1]]
+        self.root = int(verified.topk[path[-1], 0])
+
+    def candidates(self, tokens: Sequence[int]):
+        if tokens[-1] != self.root:
+            raise AssertionError("the heads session lost track of the root")  # the decode loop's contract
+        if self.heads.kind == "hydra":
+            return _Candidates(self._hydra(), (self.root,), by_path=True)
+        return _Candidates(self._medusa(), (0,), by_path=False)
+
+    def _score(self, depth: int, rank: int, prob: float) -> float:
+        return prob if self.config.tree == "dynamic" else self.stats.rate((depth, rank))
+
+    def _run(self, rows: list[tuple[int, ...]], head: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Top-k tokens and probabilities of `head` (0-based) for each row's drafted prefix."""
+        k = self.heads.num_heads
+        device = self.hidden.device
+        tokens = torch.zeros(len(rows), k, dtype=torch.long, device=device)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row, device=device)
+        hidden = self.hidden.expand(len(rows), -1)
+        heads = torch.full((len(rows),), head, dtype=torch.long, device=device)
+        logits = self.draft(hidden, tokens, heads)  # [N, V]
+        top = logits.float().softmax(-1).topk(self.config.top_k, dim=-1)
+        return top.indices.tolist(), top.values.tolist()
+
+    def _medusa(self) -> dict[tuple[int, ...], list]:
+        """Candidates per depth, shared by every node of that depth: {(depth,): [(token, score, key)]}."""
+        k = self.heads.num_heads
+        device = self.hidden.device
+        logits = self.draft(self.hidden.expand(k, -1), torch.zeros(k, k, dtype=torch.long, device=device),
+                            torch.arange(k, device=device))  # fmt: skip
+        top = logits.float().softmax(-1).topk(self.config.top_k, dim=-1)
+        out = {}
+        for d, (tokens, probs) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+            out[(d,)] = [(t, self._score(d, r, p), (d, r)) for r, (t, p) in enumerate(zip(tokens, probs))]
+        return out
+
+    def _hydra(self) -> dict[tuple[int, ...], list]:
+        """Candidates per drafted path (root token first): {path: [(token, score, key)]}."""
+        out: dict[tuple[int, ...], list] = {}
+        frontier = [((self.root,), 1.0)]
+        for d in range(self.heads.num_heads):
+            tokens, probs = self._run([path for path, _ in frontier], d)
+            scored = []
+            for (path, score), row_tokens, row_probs in zip(frontier, tokens, probs):
+                out[path] = [(t, self._score(d, r, p), (d, r)) for r, (t, p) in enumerate(zip(row_tokens, row_probs))]
+                scored += [((*path, t), score * s) for t, s, _ in out[path]]
+            frontier = sorted(scored, key=lambda item: -item[1])[: self.config.beam]
+        return out
+
+
+class _Candidates:
+    """A drafted table of candidates; a node's state is its key: (depth,) for Medusa, its path for Hydra."""
+
+    def __init__(self, table: dict[tuple[int, ...], list], root_key: tuple[int, ...], by_path: bool):
+        self.table = table
+        self.root_key = root_key
+        self.by_path = by_path
+
+    def _list(self, key: tuple[int, ...]):
+        return [(token, score, stats_key, (*key, token) if self.by_path else (key[0] + 1,))
+                for token, score, stats_key in self.table.get(key, ())]  # fmt: skip
+
+    def root_candidates(self):
+        return self._list(self.root_key)
+
+    def child_candidates(self, token: int, state):
+        return self._list(state)

@@ -1,0 +1,106 @@
+"""Draft heads (Medusa, Hydra) and the draft step that runs them through the model's own LM head.
+
+Offsets. `hidden` is the final normed hidden state of a token at position t (the last token the
+target accepted); the model's LM head on it gives x[t+1]. Head k (k = 1..K) predicts x[t+k+1]:
+in the next draft tree, head 1 proposes the children of the root x[t+1], head k depth k.
+
+* Medusa (Cai et al.): head k is one residual block on h, z_k = h + SiLU(W_k h + b_k); the heads are
+  independent of each other and of the drafted tokens.
+* Hydra (Ankner et al.): head k also sees the embeddings of the k tokens between t and its target,
+  z_k = h + SiLU(W_k [h; e(x[t+1]); ...; e(x[t+k])] + b_k), so a path through the tree is drafted
+  sequentially, each head conditioned on the tokens drafted before it.
+
+Both start as the identity (W = 0, b = 0), so an untrained head predicts what the LM head predicts
+for h; the LM head and the token embedding are the model's, shared, never copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("medusa", "hydra")
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    """What a set of trained heads is: kind, K, the model it belongs to, and how accurate it measured.
+
+    accuracy[k][r]: on held-out data, how often head k+1's rank-r token was the target's greedy token
+    (given, for Hydra, the target's own earlier tokens). Static trees are built from it.
+    """
+
+    kind: str
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    model: str  # identity of the model: see heads.io.model_fingerprint
+    accuracy: tuple[tuple[float, ...], ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown head kind {self.kind!r}; choose one of {KINDS}")
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, num_heads: int, hidden_size: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H], embeds [N, K, H] (unused) -> every head's state [N, K, H]."""
+        return torch.stack([hidden + F.silu(block(hidden)) for block in self.blocks], dim=1)
+
+
+class HydraHeads(nn.Module):
+    def __init__(self, num_heads: int, hidden_size: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear((k + 2) * hidden_size, hidden_size) for k in range(num_heads))
+        for block in self.blocks:
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H], embeds [N, K, H] of x[t+1..t+K] -> every head's state [N, K, H].
+
+        Head k reads embeds[:, :k] only, so rows whose later tokens are not drafted yet may hold anything there.
+        """
+        out = []
+        for k, block in enumerate(self.blocks):
+            inputs = torch.cat((hidden, embeds[:, : k + 1].flatten(1)), dim=-1)  # [N, (k + 2) H]
+            out.append(hidden + F.silu(block(inputs)))
+        return torch.stack(out, dim=1)  # [N, K, H]
+
+
+def make_heads(config: HeadsConfig) -> nn.Module:
+    cls = MedusaHeads if config.kind == "medusa" else HydraHeads
+    return cls(config.num_heads, config.hidden_size)
+
+
+class DraftStep(nn.Module):
+    """The draft graph: heads on hidden states, then the model's LM head on the chosen head of each row.
+
+    Inputs: hidden [N, H] (the states the heads start from), tokens [N, K] (x[t+1..t+K] for Hydra:
+    only the first `head` are read; Medusa ignores them), head [N] int64 (which head, 0-based, each
+    row evaluates). Output: logits [N, V]. Every head's block is cheap; the LM head, the costly
+    part, runs once per row.
+    """
+
+    def __init__(self, heads: nn.Module, lm_head: nn.Module, embed_tokens: nn.Module):
+        super().__init__()
+        self.heads = heads
+        self.lm_head = lm_head
+        self.embed_tokens = embed_tokens
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed_tokens(tokens)  # [N, K, H]
+        states = self.heads(hidden, embeds)  # [N, K, H]
+        index = head[:, None, None].expand(-1, 1, states.shape[-1])  # [N, 1, H]
+        chosen = states.gather(1, index).squeeze(1)  # [N, H]
+        return self.lm_head(chosen)  # [N, V]

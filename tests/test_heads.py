@@ -1,0 +1,182 @@
+"""Draft heads: the DraftHeads pass, the trainer, save/load, trees from heads, lossless decoding with heads."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import specpass
+from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
+from specpass.drafters.heads import HeadsSession
+from specpass.heads import HeadsMismatchError, load_heads, save_heads
+from specpass.heads.modules import DraftStep
+from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
+from specpass.heads.trees import expected_length, optimal_static_tree
+from specpass.ir import capture, info, verify
+from specpass.rewrites import DraftHeads, TreeAttention
+
+
+def _peaked_tiny_model():
+    """A random tiny llama whose next-token law is peaked (random weights alone give a near-uniform one)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def _corpus(model, count=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 96, (1, 6), generator=gen) for _ in range(count)]
+    return generate_corpus(model, prompts, max_new_tokens=24, progress=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Tiny llama with Medusa and Hydra heads trained on its own greedy continuations."""
+    model = _peaked_tiny_model()
+    corpus = _corpus(model)
+    out = {}
+    for kind in ("medusa", "hydra"):
+        directory = str(tmp_path_factory.mktemp(kind))
+        config = TrainConfig(kind=kind, num_heads=3, prompts=len(corpus), epochs=6, batch_size=16, lr=3e-3, held_out=4)
+        heads, heads_config, losses = train_heads(model, corpus, config, out_dir=directory, progress=False)
+        out[kind] = directory, heads, heads_config, losses
+    return model, out
+
+
+def test_trainer_lowers_the_loss_and_measures_accuracy(trained):
+    _, out = trained
+    for kind, (_, _, config, losses) in out.items():
+        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        assert last < 0.8 * first, f"{kind}: loss {first:.3f} -> {last:.3f}"
+        assert len(config.accuracy) == 3 and all(len(row) == 8 for row in config.accuracy)
+        assert all(0.0 <= sum(row) <= 1.0 for row in config.accuracy)
+
+
+def test_training_is_deterministic():
+    model = tiny_model("llama")
+    corpus = _corpus(model, count=8)
+    config = TrainConfig(num_heads=2, prompts=8, epochs=1, batch_size=16, held_out=2)
+    _, _, a = train_heads(model, corpus, config, progress=False)
+    _, _, b = train_heads(model, corpus, config, progress=False)
+    assert a == b
+
+
+def test_save_load_round_trip_and_wrong_model(trained, tmp_path):
+    model, out = trained
+    directory, heads, config, _ = out["hydra"]
+    loaded, loaded_config = load_heads(directory, model.lm_head)
+    assert loaded_config == config
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        torch.testing.assert_close(b, a.half().float(), msg=name)  # stored as float16
+    save_heads(heads, config, str(tmp_path / "fp32"), dtype=torch.float32)
+    exact, _ = load_heads(str(tmp_path / "fp32"), model.lm_head)
+    assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), exact.state_dict().values()))
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(HeadsMismatchError, match="trained for model 96x32-"):
+        load_heads(directory, other.lm_head)
+
+
+def test_pass_adds_a_draft_graph_and_leaves_the_verify_graph_bit_exact(trained):
+    model, out = trained
+    directory = out["medusa"][0]
+    base, _ = specpass.Pipeline(TreeAttention(16)).run(capture(model, cache_size=64))
+    with_heads, report = specpass.Pipeline(TreeAttention(16), DraftHeads("medusa", directory)).run(
+        capture(model, cache_size=64)
+    )
+    assert "added a draft graph: 3 medusa heads" in str(report)
+    assert with_heads.graph.python_code("self").src == base.graph.python_code("self").src
+    draft = with_heads.draft
+    assert draft.lm_head is model.lm_head and draft.embed_tokens is model.model.embed_tokens  # shared, not copied
+    roles = {info(n).role.value for n in draft.graph.nodes}
+    assert {"draft", "lm_head", "embed", "input", "output"} <= roles
+    verify(with_heads)
+    inputs = dict(input_ids=torch.randint(0, 96, (1, 5)), positions=torch.arange(5)[None], kv_len=5,
+                  tree_mask=torch.ones(5, 5, dtype=torch.bool).tril()[None], cache_slots=torch.arange(5))  # fmt: skip
+    expected = [o.clone() for o in base(**inputs)]
+    got = with_heads(**inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))  # bit for bit
+
+
+def test_pass_refusals_leave_the_graph_unchanged(trained):
+    model, out = trained
+    gm, _ = specpass.Pipeline(TreeAttention(16), DraftHeads("medusa", out["medusa"][0])).run(capture(model, 64))
+    assert "already has a draft graph" in DraftHeads("medusa", out["medusa"][0]).check(gm)
+    assert "are hydra heads" in DraftHeads("medusa", out["hydra"][0]).check(capture(model, 64))
+    other = capture(tiny_model("llama", seed=1), 64)
+    before = other.graph.python_code("self").src
+    with pytest.raises(specpass.PassMismatchError, match="trained for model"):
+        specpass.Pipeline(DraftHeads("medusa", out["medusa"][0])).run(other)
+    assert other.graph.python_code("self").src == before and not hasattr(other, "draft")
+    with pytest.raises(specpass.InvalidParameterError, match="kind must be one of"):
+        DraftHeads("eagle")
+
+
+def test_hydra_path_drafted_level_by_level_equals_step_by_step(trained):
+    model, out = trained
+    _, heads, config, _ = out["hydra"]
+    step = DraftStep(heads, model.lm_head, model.model.embed_tokens).eval()
+
+    class _Draft:
+        def __init__(self):
+            self.config = config
+
+        def __call__(self, hidden, tokens, head):
+            with torch.no_grad():
+                return step(hidden, tokens, head)
+
+    hidden = torch.randn(32)
+    session = HeadsSession(Heads(top_k=3, beam=2), _Draft(), hidden, root=7)
+    table = session._hydra()
+    for path, candidates in table.items():  # every expanded path: one row, head len(path) - 1, alone
+        tokens = torch.zeros(1, 3, dtype=torch.long)
+        tokens[0, : len(path)] = torch.tensor(path)
+        with torch.no_grad():
+            logits = step(hidden[None], tokens, torch.tensor([len(path) - 1]))
+            manual = heads.blocks[len(path) - 1](
+                torch.cat((hidden[None], model.model.embed_tokens(tokens[:, : len(path)]).flatten(1)), dim=-1)
+            )
+            by_hand = model.lm_head(hidden[None] + torch.nn.functional.silu(manual))
+        torch.testing.assert_close(logits, by_hand)
+        assert [c[0] for c in candidates] == logits.topk(3).indices[0].tolist()
+    assert max(len(p) for p in table) == 3  # root + two drafted tokens: heads 1, 2, 3 all ran
+
+
+def test_static_tree_matches_a_brute_force_optimum():
+    accuracy = ((0.6, 0.2, 0.1), (0.5, 0.15, 0.1), (0.4, 0.2, 0.05))
+    nodes = [p for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+    for budget in range(1, 7):
+        best = 0.0
+        for subset in itertools.combinations(nodes, budget):
+            chosen = set(subset)
+            if all(p[:-1] in chosen or len(p) == 1 for p in subset):  # closed under prefixes
+                best = max(best, expected_length(subset, accuracy))
+        tree = optimal_static_tree(accuracy, budget)
+        assert len(tree) == budget and abs(expected_length(tree, accuracy) - best) < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_decoding_with_heads_equals_hf_greedy(trained, kind, tree):
+    model, out = trained
+    pipeline = specpass.Pipeline(TreeAttention(16), DraftHeads(kind, out[kind][0]))
+    for drafter in (Heads(tree=tree), Combined(Heads(tree=tree), PromptLookup(), TokenRecycling())):
+        options = {"pipeline": pipeline, "drafter": drafter, "cache_size": 200}
+        for seed in range(3):
+            ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(100 + seed))
+            result = specpass.generate(model, ids, max_new_tokens=30, options=options)
+            assert torch.equal(result.sequences, model.generate(ids, max_new_tokens=30, do_sample=False))
+
+
+def test_heads_drafter_needs_heads_in_the_pipeline():
+    model = tiny_model("llama")
+    with pytest.raises(specpass.InvalidParameterError, match="needs draft heads in the pipeline"):
+        specpass.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, options={"drafter": Heads()})
+
+
+def test_corpus_positions_start_at_the_prompt_end():
+    corpus = [Continuation(torch.arange(10), start=3)]
+    from specpass.heads.train import _positions
+
+    assert _positions(corpus, 2).tolist() == [[0, 3], [0, 4], [0, 5], [0, 6]]
