@@ -9,8 +9,9 @@ outputs), with dynamic tree size T and cache length S as symbolic dimensions. Th
 exporter would re-trace through Python and is deprecated.
 
 Output directory: model.onnx (+ model.onnx.data when the weights are stored externally),
-pipeline.json, manifest.json (inputs, outputs, shapes, meaning, the check's result) and the
-tokenizer's files when a tokenizer is given.
+draft.onnx when the pipeline adds draft heads (`backends.onnx_draft`), pipeline.json, manifest.json
+(inputs, outputs, shapes, meaning, the check's result) and the tokenizer's files when a tokenizer
+is given.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ import torch.fx
 from torch import nn
 
 from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, kv_as_io
+from specpass.backends.onnx_draft import export_draft
 from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, capture
+from specpass.ir.roles import DRAFT_MODULE
 from specpass.passes import Pipeline
+from specpass.rewrites.draft_heads import DRAFT_META
 
 MANIFEST_VERSION = 1
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on the check's outputs
-EXPORTABLE_PASSES = ("TreeAttention",)
+EXPORTABLE_PASSES = ("TreeAttention", "DraftHeads")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 MEANING = {
@@ -146,6 +150,10 @@ def export(
         f.write(pipeline.to_json())
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    draft = None
+    if hasattr(step, DRAFT_MODULE):  # draft heads: their graph goes to draft.onnx
+        heads = step.meta[DRAFT_META]
+        draft = export_draft(getattr(step, DRAFT_MODULE), heads, arch, dtype, out_dir, check, _quiet_exporter)
     bar.update()
     diffs = None
     if check:
@@ -155,6 +163,8 @@ def export(
         bar.update()
     bar.close()
     manifest = _manifest(arch, dtype, pipeline, model_name, weight_bytes > EXTERNAL_DATA_BYTES, diffs)
+    if draft is not None:
+        manifest["draft"] = draft
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     return ExportResult(out_dir, onnx_path, manifest, max(diffs.values()) if diffs else None)

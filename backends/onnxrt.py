@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specpass.backends.onnx_draft import OrtDraft
 from specpass.backends.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
@@ -100,6 +101,8 @@ class OrtProgram(DecodeProgram):
             raise InvalidParameterError("cuda_graphs needs device='cuda'")
         self.cuda_graphs = cuda_graphs
         self.session = ort_session(os.path.join(directory, "model.onnx"), self.device, cuda_graphs)
+        if "draft" in self.manifest:
+            self.draft = OrtDraft(directory, self.manifest["draft"], self.device, ort_session)
         self.cache_size = cache_size
         self.eos_token_ids = tuple(self.manifest["eos_token_ids"])
         self.dtype = _TORCH[self.manifest["dtype"]]

@@ -139,8 +139,9 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from specpass.models import load_model
     from specpass.training_prompts import training_prompts
 
-    config = TrainConfig(kind=args.kind, num_heads=args.heads, prompts=args.prompts, epochs=args.epochs,
-                         max_new_tokens=args.max_new_tokens, seed=args.seed)  # fmt: skip
+    given = {"kind": args.kind, "num_heads": args.heads, "prompts": args.prompts, "epochs": args.epochs,
+             "max_new_tokens": args.max_new_tokens, "seed": args.seed}  # fmt: skip
+    config = TrainConfig(**{name: value for name, value in given.items() if value is not None})
     model, tokenizer, _ = load_model(args.model)
     if args.corpus and os.path.exists(args.corpus):
         corpus = [Continuation(tokens, start) for tokens, start in torch.load(args.corpus)]
@@ -196,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
     heads.add_argument("--kind", choices=("medusa", "hydra"), default="medusa")
     heads.add_argument("--out", required=True, help="output directory (heads.safetensors + heads.json)")
-    heads.add_argument("--heads", type=int, default=4, help="number of heads K")
-    heads.add_argument("--prompts", type=int, default=240, help="training prompts (standard-library functions)")
-    heads.add_argument("--epochs", type=int, default=2)
-    heads.add_argument("--max-new-tokens", type=int, default=128, help="length of each greedy continuation")
-    heads.add_argument("--seed", type=int, default=0)
+    heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
+    heads.add_argument("--prompts", type=int, help="training prompts (standard-library functions; default: all)")
+    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 1)")
+    heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 64)")
+    heads.add_argument("--seed", type=int, help="(default 0)")
     heads.add_argument("--corpus", help="file caching the generated corpus (read if present, else written)")
     heads.set_defaults(run=cmd_train_heads)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import textwrap
 
 from specpass.prompts import encode_chat, encode_code
 
@@ -29,26 +30,46 @@ CHAT_INSTRUCTIONS = (
 )
 
 
+def _documented(owner, module_name: str, prefix: str = ""):
+    """(qualified name, signature, docstring) of the public documented functions defined in `owner`."""
+    for name, function in sorted(inspect.getmembers(owner, inspect.isfunction)):
+        if name.startswith("_") or getattr(function, "__module__", None) != module_name:
+            continue
+        if function.__qualname__ != prefix + name:  # inherited or re-exported
+            continue
+        doc = inspect.getdoc(function)
+        if not doc or len(doc.split()) < 8:
+            continue
+        try:
+            signature = str(inspect.signature(function))
+        except (TypeError, ValueError):
+            continue
+        yield prefix + name, signature, doc[:1200]
+
+
 def documented_functions() -> list[tuple[str, str, str, str]]:
-    """(module, name, signature, docstring) of every public, documented Python function in TRAIN_MODULES."""
+    """(module, qualified name, signature, docstring) of every public, documented Python function and
+    method of a public class in TRAIN_MODULES."""
     found = []
     for module_name in TRAIN_MODULES:
         try:
             module = importlib.import_module(module_name)
         except ImportError:  # missing from this Python build
             continue
-        for name, function in sorted(inspect.getmembers(module, inspect.isfunction)):
-            if name.startswith("_") or getattr(function, "__module__", None) != module.__name__:
-                continue
-            doc = inspect.getdoc(function)
-            if not doc or len(doc.split()) < 8:
-                continue
-            try:
-                signature = str(inspect.signature(function))
-            except (TypeError, ValueError):
-                continue
-            found.append((module_name, name, signature, doc[:1200]))
+        found += [(module_name, *item) for item in _documented(module, module.__name__)]
+        for class_name, cls in sorted(inspect.getmembers(module, inspect.isclass)):
+            if not class_name.startswith("_") and cls.__module__ == module.__name__:
+                found += [(module_name, *item) for item in _documented(cls, module.__name__, f"{class_name}.")]
     return found
+
+
+def _code(qualname: str, signature: str, doc: str) -> str:
+    *owner, name = qualname.split(".")
+    doc = textwrap.indent(doc, "    ").lstrip()
+    body = f'def {name}{signature}:\n    """{doc}\n    """\n'
+    if not owner:
+        return body
+    return f"class {owner[0]}:\n" + "".join(f"    {line}\n" if line else "\n" for line in body.splitlines())
 
 
 def training_prompts(tokenizer, count: int | None = None) -> list:
@@ -56,7 +77,7 @@ def training_prompts(tokenizer, count: int | None = None) -> list:
     out = []
     for i, (_, name, signature, doc) in enumerate(documented_functions()):
         if i % 2 == 0:
-            out.append(encode_code(tokenizer, f'def {name}{signature}:\n    """{doc}\n    """\n'))
+            out.append(encode_code(tokenizer, _code(name, signature, doc)))
         else:
             instruction = CHAT_INSTRUCTIONS[(i // 2) % len(CHAT_INSTRUCTIONS)]
             out.append(encode_chat(tokenizer, [{"role": "user", "content": f"{instruction}\n\n{doc}"}]))

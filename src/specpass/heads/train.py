@@ -1,15 +1,19 @@
 """Self-distillation of draft heads: the model labels its own data, the heads learn its distribution.
 
-1. Corpus: the model's greedy continuations of the training prompts (`training_prompts`: standard
-   library functions, apart from every evaluation prompt), generated losslessly with specpass.
-2. Hidden states: one forward of the model over each sequence gives the final normed hidden state
-   h[t] of every position.
-3. Training: at a generated position t, head k (k = 1..K) is trained towards the model's own
-   distribution of x[t+k+1], softmax(lm_head(h[t+k])) (KL divergence from it); Hydra heads read the
-   embeddings of the sequence's tokens x[t+1..t+k] (teacher forcing). The LM head and the embedding
-   stay frozen and shared. AdamW, cosine schedule, fixed seed; a progress bar shows the loss and each
-   head's top-1 accuracy.
-4. Accuracy table: on held-out sequences, how often head k's rank-r token is the model's greedy
+1. Corpus: the training prompts (`training_prompts`: standard-library functions, apart from every
+   evaluation prompt) and the model's greedy continuations of them, generated in batches.
+2. Teacher: one forward of the model over each sequence gives the final normed hidden state h[t]
+   of every position and the model's own next-token law there, kept sparse: its top-32
+   probabilities, renormalised (computed once per position; every head that targets the position
+   reuses them).
+3. Training: at every position t (prompt positions included: more data, and the law there is the
+   model's all the same), head k (k = 1..K) learns the model's distribution of x[t+k+1] (cross-
+   entropy to the sparse teacher at t+k; the loss shown is the KL divergence); Hydra heads read the embeddings of the sequence's own
+   tokens x[t+1..t+k] (teacher forcing). The LM head and the embedding stay frozen and shared.
+   AdamW, cosine schedule, fixed seed; a progress bar shows the loss and each head's top-1
+   agreement with the model's greedy token.
+4. Accuracy table: on held-out sequences, at generated positions only (where x[t+1..] is the
+   model's greedy text, as in decoding), how often head k's rank-r token is the model's greedy
    x[t+k+1]; saved in heads.json, it seeds the drafter's static trees and acceptance priors.
 """
 
@@ -26,18 +30,20 @@ from specpass.errors import InvalidParameterError
 from specpass.heads.io import model_fingerprint, save_heads
 from specpass.heads.modules import KINDS, HeadsConfig, make_heads
 
+TEACHER_TOP = 32  # the teacher's law is kept as its top-32 probabilities (renormalised)
+
 
 @dataclass(frozen=True)
 class TrainConfig:
     kind: str = "medusa"
     num_heads: int = 4
-    prompts: int = 240  # training prompts (the first ones of training_prompts)
-    max_new_tokens: int = 128
-    epochs: int = 2
-    batch_size: int = 64  # positions per step
-    lr: float = 1e-3
+    prompts: int = 2000  # training prompts (the first ones of training_prompts, which has fewer: all of them)
+    max_new_tokens: int = 64
+    epochs: int = 1
+    batch_size: int = 256  # positions per step
+    lr: float = 2e-3
     seed: int = 0
-    held_out: int = 16  # sequences kept apart for the accuracy table
+    held_out: int = 32  # sequences kept apart for the accuracy table
     ranks: int = 8  # ranks in the accuracy table
 
     def __post_init__(self):
@@ -56,46 +62,89 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Continuation:
     tokens: torch.Tensor  # [L] int64: prompt + greedy continuation
-    start: int  # first position whose head targets lie in the continuation (prompt length - 1)
-
-
-def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, progress: bool = True):
-    """The model's greedy continuations of `prompts` (specpass decoding: the same tokens, faster)."""
-    from tqdm.auto import tqdm
-
-    import specpass
-
-    device = next(model.parameters()).device
-    out = []
-    for ids in tqdm(prompts, desc="self-distillation corpus", disable=not progress):
-        sequence = specpass.generate(model, ids.to(device), max_new_tokens=max_new_tokens).sequences[0].cpu()
-        out.append(Continuation(sequence, ids.shape[1] - 1))
-    return out
+    start: int  # first position t whose x[t+1] the model generated (prompt length - 1)
 
 
 @torch.no_grad()
-def hidden_states(model: nn.Module, corpus: list[Continuation]) -> list[torch.Tensor]:
-    """Final normed hidden states [L, H] of every sequence (float32, on the model's device)."""
+def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int = 16,
+                    progress: bool = True) -> list[Continuation]:  # fmt: skip
+    """The model's greedy continuations of `prompts` [1, P] each, up to EOS, `batch_size` at a time.
+
+    Batches group prompts of similar length, left-padded. A batched forward can round differently
+    from a single one, so a near-tie may resolve otherwise than unbatched greedy: harmless here,
+    since training targets are the model's law recomputed on each finished sequence.
+    """
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device
-    return [model.model(seq.tokens[None].to(device)).last_hidden_state[0].float() for seq in corpus]
+    config = model.generation_config
+    eos = config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[1])
+    out: dict[int, Continuation] = {}
+    bar = tqdm(total=len(prompts), desc="self-distillation corpus", disable=not progress)
+    for first in range(0, len(order), batch_size):
+        chunk = order[first : first + batch_size]
+        width = max(prompts[i].shape[1] for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, i in enumerate(chunk):
+            length = prompts[i].shape[1]
+            ids[row, width - length :], mask[row, width - length :] = prompts[i][0], 1
+        generated = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                                   do_sample=False, pad_token_id=pad)[:, width:].cpu()  # fmt: skip
+        for row, i in enumerate(chunk):
+            new = generated[row].tolist()
+            stop = next((j + 1 for j, token in enumerate(new) if token in eos), len(new))
+            tokens = torch.cat((prompts[i][0].cpu(), torch.tensor(new[:stop], dtype=torch.long)))
+            out[i] = Continuation(tokens, prompts[i].shape[1] - 1)
+        bar.update(len(chunk))
+    bar.close()
+    return [out[i] for i in range(len(prompts))]
 
 
-def _positions(corpus: list[Continuation], k: int) -> torch.Tensor:
-    """[N, 2] (sequence, t): positions whose K targets x[t+2..t+K+1] all exist."""
-    rows = [(i, t) for i, seq in enumerate(corpus) for t in range(seq.start, len(seq.tokens) - k - 1)]
-    return torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+@dataclass(frozen=True)
+class Teacher:
+    """The corpus flattened: position f of the concatenated sequences has hidden[f] [H], tokens[f],
+    and the model's sparse law over x[f+1]: probs[f], ids[f] [TEACHER_TOP]."""
+
+    hidden: torch.Tensor  # [F, H] float32
+    tokens: torch.Tensor  # [F] int64
+    probs: torch.Tensor  # [F, TEACHER_TOP] float32
+    ids: torch.Tensor  # [F, TEACHER_TOP] int64
+    offsets: list[int]  # where each sequence starts
 
 
-def _batch(corpus, hidden, positions, k):
-    """hidden [B, H] at t, teacher states [B, K, H] at t+1..t+K, tokens x[t+1..t+K] [B, K], targets x[t+2..t+K+1]."""
-    h, teacher, tokens, targets = [], [], [], []
-    for i, t in positions.tolist():
-        h.append(hidden[i][t])
-        teacher.append(hidden[i][t + 1 : t + k + 1])
-        tokens.append(corpus[i].tokens[t + 1 : t + k + 1])
-        targets.append(corpus[i].tokens[t + 2 : t + k + 2])
-    device = hidden[0].device
-    return torch.stack(h), torch.stack(teacher), torch.stack(tokens).to(device), torch.stack(targets).to(device)
+@torch.no_grad()
+def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> Teacher:
+    device = next(model.parameters()).device
+    hidden = torch.cat([model.model(seq.tokens[None].to(device)).last_hidden_state[0].float() for seq in corpus])
+    probs, ids = [], []
+    for part in hidden.split(chunk):
+        logits = F.linear(part, model.lm_head.weight.float())  # [chunk, V]
+        top = logits.softmax(-1).topk(min(TEACHER_TOP, logits.shape[-1]), dim=-1)
+        probs.append(top.values / top.values.sum(-1, keepdim=True))
+        ids.append(top.indices)
+    offsets = [0]
+    for seq in corpus:
+        offsets.append(offsets[-1] + len(seq.tokens))
+    tokens = torch.cat([seq.tokens for seq in corpus]).to(device)
+    return Teacher(hidden, tokens, torch.cat(probs), torch.cat(ids), offsets[:-1])
+
+
+def _positions(corpus: list[Continuation], offsets: list[int], k: int, generated_only: bool) -> torch.Tensor:
+    """Flat positions f = offset + t whose K targets x[t+2..t+K+1] exist (t >= start if generated_only)."""
+    rows = [offset + t for seq, offset in zip(corpus, offsets)
+            for t in range(seq.start if generated_only else 0, len(seq.tokens) - k - 1)]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _batch(data: Teacher, positions: torch.Tensor, k: int):
+    """hidden [B, H] at t; tokens x[t+1..t+K] [B, K]; the teacher's law at t+1..t+K [B, K, TOP] (probs, ids)."""
+    positions = positions.to(data.hidden.device)
+    ahead = positions[:, None] + torch.arange(1, k + 1, device=positions.device)  # [B, K]
+    return data.hidden[positions], data.tokens[ahead], data.probs[ahead], data.ids[ahead]
 
 
 def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfig, out_dir: str | None = None,
@@ -107,15 +156,16 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
     if len(corpus) <= config.held_out:
         raise InvalidParameterError(f"the corpus has {len(corpus)} sequences, held_out is {config.held_out}")
     torch.manual_seed(config.seed)
-    lm_head, embed = model.lm_head, model.model.embed_tokens
-    device = lm_head.weight.device
+    lm_weight, embed = model.lm_head.weight.detach(), model.model.embed_tokens
+    device = lm_weight.device
     k = config.num_heads
     train_set, held_out = corpus[config.held_out :], corpus[: config.held_out]
-    hidden = hidden_states(model, train_set)
-    positions = _positions(train_set, k)
+    data = teacher(model, train_set)
+    positions = _positions(train_set, data.offsets, k, generated_only=False)
     if len(positions) == 0:
         raise InvalidParameterError("the corpus has no position with all head targets; generate longer sequences")
-    identity = HeadsConfig(config.kind, k, lm_head.in_features, lm_head.out_features, model_fingerprint(lm_head))
+    vocab, hidden_size = lm_weight.shape
+    identity = HeadsConfig(config.kind, k, hidden_size, vocab, model_fingerprint(model.lm_head))
     heads = make_heads(identity).to(device).train()
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     steps = config.epochs * math.ceil(len(positions) / config.batch_size)
@@ -126,18 +176,19 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
     for _ in range(config.epochs):
         order = positions[torch.randperm(len(positions), generator=generator)]
         for batch in order.split(config.batch_size):
-            h, teacher, tokens, targets = _batch(train_set, hidden, batch, k)
+            h, tokens, probs, ids = _batch(data, batch, k)
             with torch.no_grad():
-                target_log_probs = F.log_softmax(lm_head(teacher).float(), dim=-1)  # [B, K, V]: the model's own law
-            states = heads(h, embed(tokens).detach())  # [B, K, H]
-            log_probs = F.log_softmax(lm_head(states).float(), dim=-1)  # [B, K, V]
-            loss = F.kl_div(log_probs, target_log_probs, log_target=True, reduction="none").sum(-1).mean()  # KL(model || head)
+                embeds = embed(tokens)  # [B, K, H]
+            states = heads(h, embeds)  # [B, K, H]
+            log_probs = F.log_softmax(F.linear(states, lm_weight).float(), dim=-1)  # [B, K, V]
+            # KL(model || head) on the model's sparse law (its gradient is the cross-entropy's)
+            loss = (probs * (probs.clamp_min(1e-12).log() - log_probs.gather(-1, ids))).sum(-1).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             schedule.step()
             losses.append(loss.item())
-            top1 = (log_probs.argmax(-1) == targets).float().mean(0).tolist()
+            top1 = (log_probs.argmax(-1) == ids[..., 0]).float().mean(0).tolist()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=" ".join(f"{a:.2f}" for a in top1))
             bar.update()
     bar.close()
@@ -150,14 +201,14 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
 
 @torch.no_grad()
 def measure_accuracy(model: nn.Module, heads: nn.Module, corpus: list[Continuation], k: int, ranks: int):
-    """accuracy[d][r]: how often head d+1's rank-r token is the model's greedy x[t+d+2]."""
-    hidden = hidden_states(model, corpus)
-    positions = _positions(corpus, k)
+    """accuracy[d][r]: how often head d+1's rank-r token is the model's greedy x[t+d+2], at generated t."""
+    data = teacher(model, corpus)
+    positions = _positions(corpus, data.offsets, k, generated_only=True)
     hits = torch.zeros(k, ranks)
     for batch in positions.split(256):
-        h, _, tokens, targets = _batch(corpus, hidden, batch, k)
+        h, tokens, _, ids = _batch(data, batch, k)
         logits = model.lm_head(heads(h, model.model.embed_tokens(tokens)))  # [B, K, V]
         top = logits.topk(ranks, dim=-1).indices  # [B, K, R]
-        hits += (top == targets[..., None]).float().sum(0).cpu()
+        hits += (top == ids[..., :1]).float().sum(0).cpu()  # ids[..., 0]: the model's greedy token
     total = max(len(positions), 1)
     return tuple(tuple(round(float(v) / total, 4) for v in row) for row in hits)
