@@ -4,17 +4,31 @@ import pytest
 import torch
 
 import specpass
-from specpass.drafters import Combined, PromptLookup, TokenRecycling
-from specpass.rewrites import TreeAttention
-
-DRAFTERS = {"prompt_lookup": PromptLookup(), "token_recycling": TokenRecycling(),
-            "combined": Combined(PromptLookup(), TokenRecycling())}  # fmt: skip
+from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
+from specpass.rewrites import DraftHeads, TreeAttention
 
 
-@pytest.mark.parametrize("drafter", list(DRAFTERS))
-def test_tree_drafters_equal_greedy(default_model, cases, drafter):
+def _with_heads(kind: str, drafter) -> dict:
+    """Options for a drafter that reads the draft heads shipped for the default model."""
+    return {"pipeline": specpass.Pipeline(TreeAttention(64), DraftHeads(kind)), "drafter": drafter}
+
+
+OPTIONS = {
+    "prompt_lookup": {"drafter": PromptLookup()},
+    "token_recycling": {"drafter": TokenRecycling()},
+    "combined": {"drafter": Combined(PromptLookup(), TokenRecycling())},
+    "medusa": _with_heads("medusa", Heads()),
+    "medusa_static": _with_heads("medusa", Heads(tree="static")),
+    "hydra": _with_heads("hydra", Heads()),
+    "hydra_combined": _with_heads("hydra", Combined(Heads(), PromptLookup(), TokenRecycling())),
+}
+METHODS = [name for name in OPTIONS if name != "medusa_static"]  # one per drafting method, for the edge cases
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_drafters_equal_greedy(default_model, cases, name):
     model, _ = default_model
-    compiled = torch.compile(model, backend="specpass", options={"drafter": DRAFTERS[drafter]})
+    compiled = torch.compile(model, backend="specpass", options=OPTIONS[name])
     taus = []
     for ids, reference in cases:
         out = specpass.generate(compiled, ids, max_new_tokens=128)
@@ -34,20 +48,22 @@ def test_chain_only_pipeline_equals_greedy(default_model, cases):
     assert out.stats.mean_tree_size >= 1.0
 
 
-def test_length_limits(default_model, cases):
+@pytest.mark.parametrize("name", METHODS)
+def test_length_limits(default_model, cases, name):
     model, _ = default_model
     ids, reference = cases[0]
     for limit in (1, 2, 7):
-        out = specpass.generate(model, ids, max_new_tokens=limit)
+        out = specpass.generate(model, ids, max_new_tokens=limit, options=OPTIONS[name])
         assert torch.equal(out.sequences, reference[:, : ids.shape[1] + limit])
         assert out.stats.finish_reason == "length"
 
 
-def test_eos_inside_an_accepted_draft(default_model, cases):
+@pytest.mark.parametrize("name", METHODS)
+def test_eos_inside_an_accepted_draft(default_model, cases, name):
     """Declare as EOS a token the drafter got accepted in the middle of a multi-token step."""
     model, _ = default_model
     ids, _ = cases[0]
-    options = {"drafter": PromptLookup()}
+    options = OPTIONS[name]
     full = specpass.generate(model, ids, max_new_tokens=128, options=options)
     continuation = full.sequences[0, ids.shape[1] :].tolist()
     steps = full.stats.steps

@@ -206,3 +206,25 @@ def test_export_with_heads_runs_losslessly_on_ort(trained, tmp_path):
         ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(200 + seed))
         got = specpass.generate(program, ids, max_new_tokens=30)
         assert torch.equal(got.sequences, model.generate(ids, max_new_tokens=30, do_sample=False))
+
+
+def test_cli_trains_heads_for_the_default_model(default_model, tmp_path, capsys):
+    from specpass.cli import main
+
+    out = tmp_path / "heads"
+    argv = ["train-heads", "--kind", "hydra", "--out", str(out), "--heads", "2", "--prompts", "6",
+            "--max-new-tokens", "8", "--held-out", "2", "--corpus", str(tmp_path / "corpus.pt")]  # fmt: skip
+    assert main(argv) == 0
+    assert "wrote" in capsys.readouterr().out and (out / "heads.safetensors").exists()
+    _, config = load_heads(str(out), default_model[0].lm_head)
+    assert config.kind == "hydra" and config.num_heads == 2 and len(config.accuracy) == 2
+    assert main(argv) == 0  # the second run reads the cached corpus
+    assert "corpus: 6 sequences from" in capsys.readouterr().out
+
+
+def test_cli_generates_with_the_shipped_heads(capsys):
+    from specpass.cli import main
+
+    assert main(["generate", "--heads", "hydra", "--drafter", "heads-combined", "--max-new-tokens", "24",
+                 "--prompt", "Write a Python function that reverses a string."]) == 0  # fmt: skip
+    assert "identical to greedy: True" in capsys.readouterr().out

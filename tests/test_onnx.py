@@ -142,15 +142,21 @@ def test_float16_export_is_checked(tmp_path):
 
 @pytest.fixture(scope="module")
 def default_export(tmp_path_factory):
+    """The default model exported by the CLI with the shipped Hydra heads (draft.onnx beside model.onnx)."""
     directory = str(tmp_path_factory.mktemp("onnx-default") / "out")
-    assert main(["export", "-o", directory]) == 0  # the CLI, as the README runs it
+    pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(64), specpass.rewrites.DraftHeads("hydra"))
+    assert main(["export", "-o", directory, "--pipeline", pipeline.to_json()]) == 0  # the CLI, as the README runs it
     return directory
 
 
-def test_default_model_on_ort_equals_hf_greedy(default_export, cases):
+@pytest.mark.parametrize("drafter", ["combined", "heads-combined"])
+def test_default_model_on_ort_equals_hf_greedy(default_export, cases, drafter):
+    from specpass.drafters.registry import drafter_by_name
+
     manifest = json.load(open(os.path.join(default_export, "manifest.json")))
     assert manifest["architecture"] == "LlamaForCausalLM" and max(manifest["check"]["max_abs_diff"].values()) < 1e-4
-    program = specpass.load_onnx(default_export)
+    assert manifest["draft"]["heads"]["kind"] == "hydra" and manifest["draft"]["check_max_abs_diff"] < 1e-4
+    program = specpass.load_onnx(default_export, drafter=drafter_by_name(drafter))
     for ids, reference in cases:
         out = specpass.generate(program, ids, max_new_tokens=128)
         assert torch.equal(out.sequences, reference)

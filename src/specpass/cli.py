@@ -140,7 +140,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from specpass.training_prompts import training_prompts
 
     given = {"kind": args.kind, "num_heads": args.heads, "prompts": args.prompts, "epochs": args.epochs,
-             "max_new_tokens": args.max_new_tokens, "seed": args.seed}  # fmt: skip
+             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "held_out": args.held_out}  # fmt: skip
     config = TrainConfig(**{name: value for name, value in given.items() if value is not None})
     model, tokenizer, _ = load_model(args.model)
     if args.corpus and os.path.exists(args.corpus):
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--epochs", type=int, help="passes over the corpus (default 1)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 64)")
     heads.add_argument("--seed", type=int, help="(default 0)")
+    heads.add_argument("--held-out", type=int, help="sequences kept apart for the accuracy table (default 32)")
     heads.add_argument("--corpus", help="file caching the generated corpus (read if present, else written)")
     heads.set_defaults(run=cmd_train_heads)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")

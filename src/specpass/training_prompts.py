@@ -1,11 +1,11 @@
 """Training prompts for draft heads, kept apart from every evaluation prompt.
 
 Evaluation uses HumanEval (code) and the module docstrings of `prompts.CHAT_MODULES` (chat). Training
-uses *function* docstrings of other standard-library modules (`TRAIN_MODULES`, disjoint from
+uses the docstrings of functions and methods of other standard-library modules (`TRAIN_MODULES`, disjoint from
 CHAT_MODULES): a code prompt asks the model to implement the function from its signature and
 docstring, a chat prompt asks for a summary of the docstring or an explanation of the function.
 The model labels its own data (its greedy continuations), so nothing is downloaded. The set depends
-on the Python version's standard library; the shipped heads say which Python built them.
+on the Python version's standard library; the README says which Python built the shipped heads.
 """
 
 from __future__ import annotations
