@@ -23,24 +23,29 @@ import torch
 import specpass.models
 
 BASELINES = ("hf_greedy", "hf_static_compile", "hf_prompt_lookup", "hf_early_exit")
-# specpass rows: (drafter, TreeAttention max_nodes, budget). specpass_greedy verifies one-node trees: plain
-# greedy decoding through the same lowering, which separates what the lowering buys from what speculation
-# buys. budget "cost": tree size per step from the measured cost curve; 64: the full tree every step (the
-# budget of a GPU, where 64 tokens cost about one), which gives the tree's own tau on any device.
+# specpass rows: (drafter, draft heads in the pipeline, TreeAttention max_nodes, budget). specpass_greedy
+# verifies one-node trees: plain greedy decoding through the same lowering, which separates what the
+# lowering buys from what speculation buys. budget "cost": tree size per step from the measured cost curve;
+# 64: the full tree every step (a GPU's budget, where 64 tokens cost about one): the tree's own tau.
 SPECPASS_ROWS = {
-    "specpass_greedy": ("prompt-lookup", 1, "cost"),
-    "specpass_prompt_lookup": ("prompt-lookup", 64, "cost"),
-    "specpass_token_recycling": ("token-recycling", 64, "cost"),
-    "specpass_combined": ("combined", 64, "cost"),
-    "specpass_combined_64": ("combined", 64, 64),
+    "specpass_greedy": ("prompt-lookup", None, 1, "cost"),
+    "specpass_prompt_lookup": ("prompt-lookup", None, 64, "cost"),
+    "specpass_token_recycling": ("token-recycling", None, 64, "cost"),
+    "specpass_combined": ("combined", None, 64, "cost"),
+    "specpass_combined_64": ("combined", None, 64, 64),
+    "specpass_medusa": ("heads", "medusa", 64, "cost"),
+    "specpass_hydra": ("heads", "hydra", 64, "cost"),
+    "specpass_hydra_combined": ("heads-combined", "hydra", 64, "cost"),
+    "specpass_hydra_combined_64": ("heads-combined", "hydra", 64, 64),
 }
 NOTES = (
     "tau = new tokens / target forwards, prefill included, for every method. specpass rows use the default "
     "lowering (onednn on a CPU, cudagraphs on a GPU; specpass_onnxrt_* run the ONNX export on ONNX Runtime: "
     "CPU EP, or CUDA EP with IOBinding and CUDA graphs) and choose each step's tree size from the measured cost "
-    "curve (up to 64 nodes). Token Recycling's table carries over from prompt to prompt within a set (the "
-    "paper's hot start); each set starts cold. hf_early_exit's tau is not reported: its draft forwards hit "
-    "the same forward hook."
+    "curve (up to 64 nodes) unless the row's name ends in _64 (the full 64-node tree every step). Token "
+    "Recycling's table carries over from prompt to prompt within a set (the paper's hot start); each set "
+    "starts cold. Draft-head rows use the heads shipped in the package (trained on prompts disjoint from "
+    "these). hf_early_exit's tau is not reported: its draft forwards hit the same forward hook."
 )
 ORT_ROWS = {"specpass_onnxrt_greedy": ("prompt-lookup", 1), "specpass_onnxrt_combined": ("combined", 64)}
 STATIC_CACHE_LEN = 1024  # one static cache shape for every prompt, so the compiled HF forward compiles once
@@ -168,8 +173,11 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
             compiled_forward = _compiled_forward(model, device)
         runners[name] = _hf_runner(model, counter, device, name, compiled_forward)
     programs = {}  # specpass rows: their programs keep Token Recycling's table from prompt to prompt
-    for name, (drafter, max_nodes, budget) in SPECPASS_ROWS.items():
-        pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(max_nodes=max_nodes))
+    for name, (drafter, heads, max_nodes, budget) in SPECPASS_ROWS.items():
+        passes = [specpass.rewrites.TreeAttention(max_nodes=max_nodes)]
+        if heads is not None:
+            passes.append(specpass.rewrites.DraftHeads(kind=heads))
+        pipeline = specpass.Pipeline(*passes)
         options = {"drafter": drafter_by_name(drafter), "pipeline": pipeline, "budget": budget}
         program = specpass.compile_program(torch.compile(model, backend="specpass", options=options))
         runners[name], programs[name] = _specpass_runner(program)
