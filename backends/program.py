@@ -33,8 +33,10 @@ class LoweredDraft:
     run: Callable  # called with the draft graph's inputs as keywords
     config: HeadsConfig
 
-    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        return self.run(hidden=hidden, tokens=tokens, head=head)  # [N, V]
+    def __call__(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.run(hidden=hidden, tokens=tokens, head=head)  # logits [N, D], vocab [D]
 
 
 class DecodeProgram(ABC):

@@ -59,7 +59,8 @@ def verify(gm: torch.fx.GraphModule) -> None:
 
 
 def _verify_draft(draft: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None:
-    """The draft graph: linted, annotated, reading (hidden, tokens, head), sharing the step's LM head."""
+    """The draft graph: linted, annotated, reading (hidden, tokens, head), sharing the step's LM head,
+    or holding exactly its rows of the draft vocabulary."""
     try:
         draft.graph.lint()
     except Exception as exc:
@@ -70,7 +71,11 @@ def _verify_draft(draft: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None
     inputs = [n.target for n in draft.graph.nodes if n.op == "placeholder"]
     if inputs != list(DRAFT_INPUTS):
         _fail(f"the draft graph's inputs are {inputs}, expected {list(DRAFT_INPUTS)}")
-    if draft.get_submodule("lm_head") is not gm.get_submodule("lm_head"):
+    lm_head = gm.get_submodule("lm_head")
+    if hasattr(draft, "vocab_head"):
+        if not torch.equal(draft.vocab_head.weight, lm_head.weight[draft.vocab]):
+            _fail("the draft graph's vocabulary head is not the LM head's rows of its draft vocabulary")
+    elif draft.get_submodule("lm_head") is not lm_head:
         _fail("the draft graph must share the step's LM head, not a copy")
 
 

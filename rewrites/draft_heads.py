@@ -4,8 +4,10 @@ Papers: Medusa, Hydra (and Clover, Chimera, Hidden Transfer for the family); see
 
 Rewrite. The step module gains a second FX graph, `draft` (`heads.modules.DraftStep`): the heads on
 final hidden states, then the model's own LM head (and, for Hydra, its own token embedding) —
-shared call_module nodes, never copied weights. Every draft node is annotated (role draft, or
-lm_head / embed for the shared modules). The decode loop runs the draft graph on the hidden state
+shared call_module nodes, never copied weights. Heads with a draft vocabulary use its rows of the LM
+head instead (`vocab_head`, gathered once from the model's LM head when the pass runs: D x H
+derived values, not trained). Every draft node is annotated (role draft, or lm_head / embed for the
+shared modules). The decode loop runs the draft graph on the hidden state
 of the last accepted token, after each verify step, to propose the next tree; the verify graph's
 hidden output is what feeds it.
 

@@ -10,7 +10,7 @@ import specpass
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
 from specpass.drafters.heads import HeadsSession
 from specpass.heads import HeadsMismatchError, load_heads, save_heads
-from specpass.heads.modules import DraftStep
+from specpass.heads.modules import DraftStep, draft_vocabulary
 from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
 from specpass.heads.trees import expected_length, optimal_static_tree
 from specpass.ir import capture, info, verify
@@ -33,20 +33,22 @@ def _corpus(model, count=24, seed=0):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Tiny llama with Medusa and Hydra heads trained on its own greedy continuations."""
+    """Tiny llama with Medusa heads (whole vocabulary: the default 8192 exceeds its 96 tokens) and Hydra
+    heads (draft vocabulary of 48 tokens) trained on its own greedy continuations."""
     model = _peaked_tiny_model()
     corpus = _corpus(model)
     out = {}
-    for kind in ("medusa", "hydra"):
+    for kind, draft_vocab in (("medusa", 8192), ("hydra", 48)):
         directory = str(tmp_path_factory.mktemp(kind))
-        config = TrainConfig(kind=kind, num_heads=3, prompts=len(corpus), epochs=6, batch_size=16, lr=3e-3, held_out=4)
+        config = TrainConfig(kind=kind, num_heads=3, prompts=len(corpus), epochs=6, batch_size=16, lr=3e-3,
+                             held_out=4, draft_vocab=draft_vocab)  # fmt: skip
         heads, heads_config, losses = train_heads(model, corpus, config, out_dir=directory, progress=False)
         out[kind] = directory, heads, heads_config, losses
-    return model, out
+    return model, out, corpus
 
 
 def test_trainer_lowers_the_loss_and_measures_accuracy(trained):
-    _, out = trained
+    _, out, _ = trained
     for kind, (_, _, config, losses) in out.items():
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
         assert last < 0.9 * first, f"{kind}: loss {first:.3f} -> {last:.3f}"
@@ -66,12 +68,13 @@ def test_training_is_deterministic():
 
 
 def test_save_load_round_trip_and_wrong_model(trained, tmp_path):
-    model, out = trained
+    model, out, _ = trained
     directory, heads, config, _ = out["hydra"]
     loaded, loaded_config = load_heads(directory, model.lm_head)
     assert loaded_config == config
+    assert loaded_config.draft_vocab == 48 and torch.equal(loaded.draft_vocab, heads.draft_vocab)  # ids exact
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
-        torch.testing.assert_close(b, a.half().float(), msg=name)  # stored as float16
+        torch.testing.assert_close(b, a.half().float() if a.is_floating_point() else a, msg=name)  # float16
     save_heads(heads, config, str(tmp_path / "fp32"), dtype=torch.float32)
     exact, _ = load_heads(str(tmp_path / "fp32"), model.lm_head)
     assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), exact.state_dict().values()))
@@ -81,7 +84,7 @@ def test_save_load_round_trip_and_wrong_model(trained, tmp_path):
 
 
 def test_pass_adds_a_draft_graph_and_leaves_the_verify_graph_bit_exact(trained):
-    model, out = trained
+    model, out, _ = trained
     directory = out["medusa"][0]
     base, _ = specpass.Pipeline(TreeAttention(16)).run(capture(model, cache_size=64))
     with_heads, report = specpass.Pipeline(TreeAttention(16), DraftHeads("medusa", directory)).run(
@@ -102,7 +105,7 @@ def test_pass_adds_a_draft_graph_and_leaves_the_verify_graph_bit_exact(trained):
 
 
 def test_pass_refusals_leave_the_graph_unchanged(trained):
-    model, out = trained
+    model, out, _ = trained
     gm, _ = specpass.Pipeline(TreeAttention(16), DraftHeads("medusa", out["medusa"][0])).run(capture(model, 64))
     assert "already has a draft graph" in DraftHeads("medusa", out["medusa"][0]).check(gm)
     assert "are hydra heads" in DraftHeads("medusa", out["hydra"][0]).check(capture(model, 64))
@@ -116,7 +119,7 @@ def test_pass_refusals_leave_the_graph_unchanged(trained):
 
 
 def test_hydra_path_drafted_level_by_level_equals_step_by_step(trained):
-    model, out = trained
+    model, out, _ = trained
     _, heads, config, _ = out["hydra"]
     step = DraftStep(heads, model.lm_head, model.model.embed_tokens).eval()
 
@@ -135,14 +138,29 @@ def test_hydra_path_drafted_level_by_level_equals_step_by_step(trained):
         tokens = torch.zeros(1, 3, dtype=torch.long)
         tokens[0, : len(path)] = torch.tensor(path)
         with torch.no_grad():
-            logits = step(hidden[None], tokens, torch.tensor([len(path) - 1]))
+            logits, vocab = step(hidden[None], tokens, torch.tensor([len(path) - 1]))
             manual = heads.blocks[len(path) - 1](
                 torch.cat((hidden[None], model.model.embed_tokens(tokens[:, : len(path)]).flatten(1)), dim=-1)
             )
-            by_hand = model.lm_head(hidden[None] + torch.nn.functional.silu(manual))
-        torch.testing.assert_close(logits, by_hand)
-        assert [c[0] for c in candidates] == logits.topk(3).indices[0].tolist()
+            by_hand = model.lm_head(hidden[None] + torch.nn.functional.silu(manual))  # [1, V]
+        torch.testing.assert_close(logits, by_hand[:, vocab])  # the draft vocabulary's rows of the LM head
+        assert [c[0] for c in candidates] == vocab[logits.topk(3).indices[0]].tolist()
     assert max(len(p) for p in table) == 3  # root + two drafted tokens: heads 1, 2, 3 all ran
+
+
+def test_draft_vocabulary_is_the_most_frequent_training_tokens(trained):
+    model, out, corpus = trained
+    _, heads, config, _ = out["hydra"]
+    counts = torch.bincount(torch.cat([seq.tokens for seq in corpus[4:]]), minlength=96)  # held_out=4
+    chosen = heads.draft_vocab
+    assert config.draft_vocab == len(chosen) == len(set(chosen.tolist())) == 48
+    assert counts[chosen].min() >= counts[[t for t in range(96) if t not in chosen.tolist()]].max()
+    assert draft_vocabulary([torch.tensor([5, 3, 3, 9, 9, 1])], 12, 4).tolist() == [3, 9, 1, 5]  # ties: id order
+    step = DraftStep(heads, model.lm_head, model.model.embed_tokens)
+    assert torch.equal(step.vocab_head.weight, model.lm_head.weight[chosen])
+    assert not hasattr(out["medusa"][1], "draft_vocab") and out["medusa"][2].draft_vocab == 0  # 8192 >= 96 tokens
+    with pytest.raises(specpass.InvalidParameterError, match="draft_vocab"):
+        TrainConfig(draft_vocab=-1)
 
 
 def test_static_tree_matches_a_brute_force_optimum():
@@ -161,7 +179,7 @@ def test_static_tree_matches_a_brute_force_optimum():
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("tree", ["dynamic", "static"])
 def test_decoding_with_heads_equals_hf_greedy(trained, kind, tree):
-    model, out = trained
+    model, out, _ = trained
     pipeline = specpass.Pipeline(TreeAttention(16), DraftHeads(kind, out[kind][0]))
     for drafter in (Heads(tree=tree), Combined(Heads(tree=tree), PromptLookup(), TokenRecycling())):
         options = {"pipeline": pipeline, "drafter": drafter, "cache_size": 200}
@@ -195,7 +213,7 @@ def test_export_with_heads_runs_losslessly_on_ort(trained, tmp_path):
     pytest.importorskip("onnxruntime")
     from specpass.backends.onnx_export import export
 
-    model, out = trained
+    model, out, _ = trained
     pipeline = specpass.Pipeline(TreeAttention(16), DraftHeads("hydra", out["hydra"][0]))
     result = export(model, pipeline, str(tmp_path), progress=False)
     draft = result.manifest["draft"]

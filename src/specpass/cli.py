@@ -140,7 +140,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from specpass.training_prompts import training_prompts
 
     given = {"kind": args.kind, "num_heads": args.heads, "prompts": args.prompts, "epochs": args.epochs,
-             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "held_out": args.held_out}  # fmt: skip
+             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "held_out": args.held_out,
+             "draft_vocab": args.draft_vocab}  # fmt: skip
     config = TrainConfig(**{name: value for name, value in given.items() if value is not None})
     model, tokenizer, _ = load_model(args.model)
     if args.corpus and os.path.exists(args.corpus):
@@ -151,7 +152,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         if args.corpus:
             torch.save([(c.tokens, c.start) for c in corpus], args.corpus)
     _, heads, _ = train_heads(model, corpus, config, out_dir=args.out)
-    print(f"wrote {args.out}: {heads.num_heads} {heads.kind} heads for model {heads.model}")
+    vocab = f"a draft vocabulary of {heads.draft_vocab} tokens" if heads.draft_vocab else "the whole vocabulary"
+    print(f"wrote {args.out}: {heads.num_heads} {heads.kind} heads for model {heads.model}, {vocab}")
     for d, row in enumerate(heads.accuracy, start=1):
         print(f"  head {d}: held-out top-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f}")
     return 0
@@ -199,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--out", required=True, help="output directory (heads.safetensors + heads.json)")
     heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
     heads.add_argument("--prompts", type=int, help="training prompts (standard-library functions; default: all)")
-    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 1)")
+    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 64)")
     heads.add_argument("--seed", type=int, help="(default 0)")
     heads.add_argument("--held-out", type=int, help="sequences kept apart for the accuracy table (default 32)")
+    heads.add_argument("--draft-vocab", type=int,
+                       help="tokens the heads may propose: the most frequent of the corpus (default 8192; 0: all)")
     heads.add_argument("--corpus", help="file caching the generated corpus (read if present, else written)")
     heads.set_defaults(run=cmd_train_heads)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")

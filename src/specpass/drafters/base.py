@@ -30,8 +30,11 @@ class DraftModel(Protocol):
 
     config: HeadsConfig
 
-    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H], tokens [N, K], head [N] -> logits [N, V] (see heads.modules.DraftStep)."""
+    def __call__(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, H], tokens [N, K], head [N] -> logits [N, D] over the draft vocabulary, its token
+        ids [D] (see heads.modules.DraftStep)."""
 
 
 class DraftSession(ABC):

@@ -75,43 +75,43 @@ class HeadsSession(DraftSession):
             return _Candidates(self._hydra(), (self.root,), by_path=True)
         return _Candidates(self._medusa(), (0,), by_path=False)
 
-    def _score(self, depth: int, rank: int, prob: float) -> float:
-        return prob if self.config.tree == "dynamic" else self.stats.rate((depth, rank))
+    def _scored(self, depth: int, tokens: list[int], probs: list[float]) -> list[tuple[int, float, tuple[int, int]]]:
+        """One head's ranked tokens as candidates (token, score, stats key); the score is the draft
+        probability (dynamic tree) or the measured acceptance rate of that depth and rank (static)."""
+        dynamic = self.config.tree == "dynamic"
+        return [(t, p if dynamic else self.stats.rate((depth, r)), (depth, r))
+                for r, (t, p) in enumerate(zip(tokens, probs))]  # fmt: skip
 
-    def _run(self, rows: list[tuple[int, ...]], head: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Top-k tokens and probabilities of `head` (0-based) for each row's drafted prefix."""
-        k = self.heads.num_heads
-        device = self.hidden.device
-        tokens = torch.zeros(len(rows), k, dtype=torch.long, device=device)
-        for i, row in enumerate(rows):
-            tokens[i, : len(row)] = torch.tensor(row, device=device)
-        hidden = self.hidden.expand(len(rows), -1)
-        heads = torch.full((len(rows),), head, dtype=torch.long, device=device)
-        logits = self.draft(hidden, tokens, heads)  # [N, V]
+    def _top(self, tokens: torch.Tensor, heads: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+        """Top-k tokens and draft probabilities of row i's head heads[i] (tokens [N, K]: its drafted prefix)."""
+        logits, vocab = self.draft(self.hidden.expand(len(heads), -1), tokens, heads)  # [N, D], [D]
         top = logits.float().softmax(-1).topk(self.config.top_k, dim=-1)
-        return top.indices.tolist(), top.values.tolist()
+        return vocab[top.indices].tolist(), top.values.tolist()
 
     def _medusa(self) -> dict[tuple[int, ...], list]:
         """Candidates per depth, shared by every node of that depth: {(depth,): [(token, score, key)]}."""
         k = self.heads.num_heads
         device = self.hidden.device
-        logits = self.draft(self.hidden.expand(k, -1), torch.zeros(k, k, dtype=torch.long, device=device),
-                            torch.arange(k, device=device))  # fmt: skip
-        top = logits.float().softmax(-1).topk(self.config.top_k, dim=-1)
-        out = {}
-        for d, (tokens, probs) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
-            out[(d,)] = [(t, self._score(d, r, p), (d, r)) for r, (t, p) in enumerate(zip(tokens, probs))]
-        return out
+        tokens, probs = self._top(torch.zeros(k, k, dtype=torch.long, device=device), torch.arange(k, device=device))
+        return {(d,): self._scored(d, *ranked) for d, ranked in enumerate(zip(tokens, probs))}
 
     def _hydra(self) -> dict[tuple[int, ...], list]:
-        """Candidates per drafted path (root token first): {path: [(token, score, key)]}."""
+        """Candidates per drafted path (root token first): {path: [(token, score, key)]}.
+
+        Depth d's call evaluates head d on the `beam` best paths so far, each with its path's tokens.
+        """
+        k = self.heads.num_heads
+        device = self.hidden.device
         out: dict[tuple[int, ...], list] = {}
         frontier = [((self.root,), 1.0)]
-        for d in range(self.heads.num_heads):
-            tokens, probs = self._run([path for path, _ in frontier], d)
+        for d in range(k):
+            rows = torch.zeros(len(frontier), k, dtype=torch.long, device=device)
+            for i, (path, _) in enumerate(frontier):
+                rows[i, : len(path)] = torch.tensor(path, device=device)
+            tokens, probs = self._top(rows, torch.full((len(frontier),), d, dtype=torch.long, device=device))
             scored = []
             for (path, score), row_tokens, row_probs in zip(frontier, tokens, probs):
-                out[path] = [(t, self._score(d, r, p), (d, r)) for r, (t, p) in enumerate(zip(row_tokens, row_probs))]
+                out[path] = self._scored(d, row_tokens, row_probs)
                 scored += [((*path, t), score * s) for t, s, _ in out[path]]
             frontier = sorted(scored, key=lambda item: -item[1])[: self.config.beam]
         return out

@@ -43,7 +43,8 @@ def save_heads(heads: nn.Module, config: HeadsConfig, directory: str, dtype: tor
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    tensors = {name: t.detach().to(dtype).cpu().contiguous() for name, t in heads.state_dict().items()}
+    tensors = {name: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
+               for name, t in heads.state_dict().items()}  # fmt: skip
     save_file(tensors, os.path.join(directory, WEIGHTS))
     with open(os.path.join(directory, CONFIG), "w") as f:
         json.dump(dataclasses.asdict(config), f, indent=2)

@@ -12,9 +12,12 @@
    tokens x[t+1..t+k] (teacher forcing). The LM head and the embedding stay frozen and shared.
    AdamW, cosine schedule, fixed seed; a progress bar shows the loss and each head's top-1
    agreement with the model's greedy token.
-4. Accuracy table: on held-out sequences, at generated positions only (where x[t+1..] is the
-   model's greedy text, as in decoding), how often head k's rank-r token is the model's greedy
-   x[t+k+1]; saved in heads.json, it seeds the drafter's static trees and acceptance priors.
+4. Draft vocabulary: the `draft_vocab` tokens most frequent in the training sequences (prompts and
+   continuations), saved with the heads; the heads propose only those (heads.modules docstring).
+   Training keeps the whole vocabulary: the heads learn the model's law, the list only cuts costs.
+5. Accuracy table: on held-out sequences, at generated positions only (where x[t+1..] is the
+   model's greedy text, as in decoding), how often head k's rank-r token (within the draft
+   vocabulary) is the model's greedy x[t+k+1]; saved in heads.json, it seeds the drafter's static trees and acceptance priors.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 
 from specpass.errors import InvalidParameterError
 from specpass.heads.io import model_fingerprint, save_heads
-from specpass.heads.modules import KINDS, HeadsConfig, make_heads
+from specpass.heads.modules import KINDS, HeadsConfig, draft_vocabulary, make_heads
 
 TEACHER_TOP = 32  # the teacher's law is kept as its top-32 probabilities (renormalised)
 
@@ -39,12 +42,13 @@ class TrainConfig:
     num_heads: int = 4
     prompts: int = 2000  # training prompts (the first ones of training_prompts, which has fewer: all of them)
     max_new_tokens: int = 64
-    epochs: int = 1
-    batch_size: int = 256  # positions per step
+    epochs: int = 2
+    batch_size: int = 128  # positions per step
     lr: float = 2e-3
     seed: int = 0
     held_out: int = 32  # sequences kept apart for the accuracy table
     ranks: int = 8  # ranks in the accuracy table
+    draft_vocab: int = 8192  # tokens the heads may propose (0, or the vocabulary's size or more: all)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -53,6 +57,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise InvalidParameterError(f"draft_vocab must be an int >= 0, got {self.draft_vocab!r}")
         if not 0 <= self.held_out < self.prompts:
             raise InvalidParameterError(f"held_out must be in [0, prompts), got {self.held_out}")
         if not self.lr > 0:
@@ -165,8 +171,11 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
     if len(positions) == 0:
         raise InvalidParameterError("the corpus has no position with all head targets; generate longer sequences")
     vocab, hidden_size = lm_weight.shape
-    identity = HeadsConfig(config.kind, k, hidden_size, vocab, model_fingerprint(model.lm_head))
-    heads = make_heads(identity).to(device).train()
+    draft_vocab = config.draft_vocab if config.draft_vocab < vocab else 0
+    identity = HeadsConfig(config.kind, k, hidden_size, vocab, model_fingerprint(model.lm_head),
+                           draft_vocab=draft_vocab)  # fmt: skip
+    ids = draft_vocabulary([seq.tokens for seq in train_set], vocab, draft_vocab) if draft_vocab else None
+    heads = make_heads(identity, ids).to(device).train()
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     steps = config.epochs * math.ceil(len(positions) / config.batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
@@ -201,14 +210,18 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
 
 @torch.no_grad()
 def measure_accuracy(model: nn.Module, heads: nn.Module, corpus: list[Continuation], k: int, ranks: int):
-    """accuracy[d][r]: how often head d+1's rank-r token is the model's greedy x[t+d+2], at generated t."""
+    """accuracy[d][r]: how often head d+1's rank-r token (in the draft vocabulary) is the model's greedy
+    x[t+d+2], at generated t."""
     data = teacher(model, corpus)
     positions = _positions(corpus, data.offsets, k, generated_only=True)
+    vocab = getattr(heads, "draft_vocab", None)  # [D] or None: the whole vocabulary
+    weight = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab]  # [D, H]
     hits = torch.zeros(k, ranks)
     for batch in positions.split(256):
         h, tokens, _, ids = _batch(data, batch, k)
-        logits = model.lm_head(heads(h, model.model.embed_tokens(tokens)))  # [B, K, V]
+        logits = F.linear(heads(h, model.model.embed_tokens(tokens)), weight)  # [B, K, D]
         top = logits.topk(ranks, dim=-1).indices  # [B, K, R]
+        top = top if vocab is None else vocab[top]
         hits += (top == ids[..., :1]).float().sum(0).cpu()  # ids[..., 0]: the model's greedy token
     total = max(len(positions), 1)
     return tuple(tuple(round(float(v) / total, 4) for v in row) for row in hits)
