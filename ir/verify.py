@@ -72,11 +72,15 @@ def _verify_draft(draft: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None
     if inputs != list(DRAFT_INPUTS):
         _fail(f"the draft graph's inputs are {inputs}, expected {list(DRAFT_INPUTS)}")
     lm_head = gm.get_submodule("lm_head")
-    if hasattr(draft, "vocab_head"):
-        if not torch.equal(draft.vocab_head.weight, lm_head.weight[draft.vocab]):
-            _fail("the draft graph's vocabulary head is not the LM head's rows of its draft vocabulary")
-    elif draft.get_submodule("lm_head") is not lm_head:
-        _fail("the draft graph must share the step's LM head, not a copy")
+    vocab_head, vocab = draft.get_submodule("vocab_head"), draft.vocab
+    whole = len(vocab) == lm_head.weight.shape[0] and torch.equal(vocab, torch.arange(len(vocab), device=vocab.device))
+    if vocab_head is lm_head:
+        if not whole:
+            _fail("the draft graph reads the whole LM head but its vocabulary is not the whole vocabulary")
+    elif whole:
+        _fail("without a draft vocabulary the draft graph must share the step's LM head, not a copy")
+    elif not torch.equal(vocab_head.weight, lm_head.weight[vocab]):
+        _fail("the draft graph's vocabulary head is not the LM head's rows of its draft vocabulary")
 
 
 def _verify_layers(graph: torch.fx.Graph, num_layers: int) -> None:

@@ -3,13 +3,13 @@
 Papers: Medusa, Hydra (and Clover, Chimera, Hidden Transfer for the family); see ../shared/seeds.
 
 Rewrite. The step module gains a second FX graph, `draft` (`heads.modules.DraftStep`): the heads on
-final hidden states, then the model's own LM head (and, for Hydra, its own token embedding) —
-shared call_module nodes, never copied weights. Heads with a draft vocabulary use its rows of the LM
-head instead (`vocab_head`, gathered once from the model's LM head when the pass runs: D x H
-derived values, not trained). Every draft node is annotated (role draft, or lm_head / embed for the
-shared modules). The decode loop runs the draft graph on the hidden state
-of the last accepted token, after each verify step, to propose the next tree; the verify graph's
-hidden output is what feeds it.
+final hidden states, then `vocab_head` and, for Hydra, the model's own token embedding. `vocab_head`
+is the model's LM head itself (a shared call_module node, never copied weights) or, for heads with a
+draft vocabulary, its rows of that vocabulary (gathered once when the pass runs: D x H derived
+values, not trained; the verifier checks them against the LM head). Every draft node is annotated
+(role draft, or lm_head / embed for those two modules). The decode loop runs the draft graph on the
+hidden state of the last accepted token, after each verify step, to propose the next tree; the
+verify graph's hidden output is what feeds it.
 
 Invariants. The verify graph is not touched, so its outputs are bit for bit what they were before
 the pass (tested). The heads must have been trained for this model (fingerprint of its LM head):
@@ -103,7 +103,7 @@ def trace_draft_step(heads: nn.Module, lm_head: nn.Module, embed_tokens: nn.Modu
             role = Role.INPUT
         elif node.op == "output":
             role = Role.OUTPUT
-        elif node.op == "call_module" and node.target in ("lm_head", "embed_tokens"):
-            role = Role.LM_HEAD if node.target == "lm_head" else Role.EMBED
+        elif node.op == "call_module" and node.target in ("vocab_head", "embed_tokens"):
+            role = Role.LM_HEAD if node.target == "vocab_head" else Role.EMBED
         node.meta[META_KEY] = NodeInfo(role)
     return draft

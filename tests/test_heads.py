@@ -93,7 +93,7 @@ def test_pass_adds_a_draft_graph_and_leaves_the_verify_graph_bit_exact(trained):
     assert "added a draft graph: 3 medusa heads" in str(report)
     assert with_heads.graph.python_code("self").src == base.graph.python_code("self").src
     draft = with_heads.draft
-    assert draft.lm_head is model.lm_head and draft.embed_tokens is model.model.embed_tokens  # shared, not copied
+    assert draft.vocab_head is model.lm_head and draft.embed_tokens is model.model.embed_tokens  # shared, not copied
     roles = {info(n).role.value for n in draft.graph.nodes}
     assert {"draft", "lm_head", "embed", "input", "output"} <= roles
     verify(with_heads)
@@ -161,6 +161,24 @@ def test_draft_vocabulary_is_the_most_frequent_training_tokens(trained):
     assert not hasattr(out["medusa"][1], "draft_vocab") and out["medusa"][2].draft_vocab == 0  # 8192 >= 96 tokens
     with pytest.raises(specpass.InvalidParameterError, match="draft_vocab"):
         TrainConfig(draft_vocab=-1)
+
+
+def test_verifier_rejects_a_draft_graph_that_does_not_read_the_lm_head(trained):
+    import copy
+
+    model, out, _ = trained
+    for kind, tamper in (("medusa", "copy"), ("hydra", "rows")):
+        gm, _ = specpass.Pipeline(TreeAttention(16), DraftHeads(kind, out[kind][0])).run(capture(model, 64))
+        verify(gm)
+        if tamper == "copy":  # whole vocabulary: the LM head must be shared, not copied
+            gm.draft.vocab_head = copy.deepcopy(gm.draft.vocab_head)
+            match = "not a copy"
+        else:  # draft vocabulary: its rows must be the LM head's rows of that vocabulary
+            with torch.no_grad():
+                gm.draft.vocab_head.weight[3] += 1e-3
+            match = "rows of its draft vocabulary"
+        with pytest.raises(specpass.GraphVerificationError, match=match):
+            verify(gm)
 
 
 def test_static_tree_matches_a_brute_force_optimum():

@@ -112,8 +112,8 @@ def draft_vocabulary(sequences: list[torch.Tensor], vocab_size: int, size: int) 
 
 
 class DraftStep(nn.Module):
-    """The draft graph: heads on hidden states, then the LM head (or its draft-vocabulary rows) on the
-    chosen head of each row.
+    """The draft graph: heads on hidden states, then `vocab_head` on the chosen head of each row:
+    the model's LM head (shared) or, with a draft vocabulary, its rows of that vocabulary.
 
     Inputs: hidden [N, H] (the states the heads start from), tokens [N, K] (x[t+1..t+K] for Hydra:
     only the first `head` are read; Medusa ignores them), head [N] int64 (which head, 0-based, each
@@ -128,10 +128,10 @@ class DraftStep(nn.Module):
         self.embed_tokens = embed_tokens
         weight = lm_head.weight.detach()  # [V, H]
         vocab = getattr(heads, "draft_vocab", None)
-        if vocab is None:
-            self.lm_head = lm_head
+        if vocab is None:  # the whole vocabulary: the model's LM head itself, shared
+            self.vocab_head = lm_head
             vocab = torch.arange(weight.shape[0], device=weight.device)
-        else:
+        else:  # its rows of the draft vocabulary, gathered once (derived, not trained)
             rows = weight[vocab.to(weight.device)].clone()  # [D, H]
             self.vocab_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
             self.vocab_head.weight = nn.Parameter(rows, requires_grad=False)
@@ -144,5 +144,5 @@ class DraftStep(nn.Module):
         states = self.heads(hidden, embeds)  # [N, K, H]
         index = head[:, None, None].expand(-1, 1, states.shape[-1])  # [N, 1, H]
         chosen = states.gather(1, index).squeeze(1)  # [N, H]
-        logits = self.lm_head(chosen) if hasattr(self, "lm_head") else self.vocab_head(chosen)  # [N, D]
+        logits = self.vocab_head(chosen)  # [N, D]
         return logits, self.vocab
