@@ -34,11 +34,13 @@ TREES = ("dynamic", "static")
 @dataclass(frozen=True)
 class Heads(Drafter):
     """tree: dynamic or static (module docstring); top_k: candidates per head (Medusa) or per node
-    (Hydra); beam: Hydra nodes expanded per depth."""
+    (Hydra); beam: Hydra nodes expanded per depth. The defaults propose more candidates than a 64-node
+    tree holds (Hydra: 8 + 3 x 64), so the tree builder chooses among them; the draft call's cost barely
+    depends on its row count (it reads the draft vocabulary's LM-head rows once)."""
 
     tree: str = "dynamic"
-    top_k: int = 4
-    beam: int = 4
+    top_k: int = 8
+    beam: int = 8
 
     def __post_init__(self):
         if self.tree not in TREES:
