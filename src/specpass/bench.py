@@ -34,7 +34,9 @@ SPECPASS_ROWS = {
     "specpass_combined": ("combined", None, 64, "cost"),
     "specpass_combined_64": ("combined", None, 64, 64),
     "specpass_medusa": ("heads", "medusa", 64, "cost"),
+    "specpass_medusa_64": ("heads", "medusa", 64, 64),
     "specpass_hydra": ("heads", "hydra", 64, "cost"),
+    "specpass_hydra_64": ("heads", "hydra", 64, 64),
     "specpass_hydra_combined": ("heads-combined", "hydra", 64, "cost"),
     "specpass_hydra_combined_64": ("heads-combined", "hydra", 64, 64),
 }
@@ -57,6 +59,18 @@ def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu-{os.cpu_count()}core-{platform.machine()}"
+
+
+def run_identity(device: torch.device) -> dict:
+    """What a results file says about the run: device, date, library versions, model, dtype."""
+    return {
+        "device": device_label(device),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "model": specpass.models.DEFAULT_MODEL_NAME,
+        "dtype": "float32",
+    }
 
 
 def _slug(label: str) -> str:
@@ -248,12 +262,7 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
                             "relative_to_one_token": {str(k): round(v, 3) for k, v in curve.relative().items()}}  # fmt: skip
     label = device_label(device)
     report = {
-        "device": label,
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "model": specpass.models.DEFAULT_MODEL_NAME,
-        "dtype": "float32",
+        **run_identity(device),
         "prompts_per_set": prompts_per_set,
         "max_new_tokens": max_new_tokens,
         "prompt_sets": {"code": f"HumanEval[{CODE_OFFSET}:{CODE_OFFSET + prompts_per_set}] raw",

@@ -1,0 +1,131 @@
+"""Losslessness on unseen prompts: every drafter's greedy output against HF `generate` greedy, token for token.
+
+    python benchmarks/lossless.py [--prompts 10] [--max-new-tokens 128] [--out benchmarks/results]
+
+Prompts: HumanEval[140:140+N] (raw code; the benchmark uses 120.., the tests 0..) and the chat
+summaries of stdlib docstrings [10:10+N] (the benchmark uses 0..), all disjoint from the draft heads'
+training prompts. Float32, on the CPU (or the GPU when there is one). Each configuration runs the
+default tree budget (the cost curve). The ONNX Runtime rows export the default model with Hydra heads
+once and run the export.
+Writes lossless-<device>.json: per configuration, the prompts whose output differed (their index and
+the first differing position); the run fails (exit 1) when any differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+import specpass
+from specpass import prompts as P
+from specpass.bench import _slug, device_label, run_identity
+from specpass.drafters.registry import drafter_by_name
+
+CODE_OFFSET, CHAT_OFFSET = 140, 10
+# configuration: (drafter, draft heads or None)
+TORCH_CONFIGS = {
+    "prompt_lookup": ("prompt-lookup", None),
+    "token_recycling": ("token-recycling", None),
+    "combined": ("combined", None),
+    "medusa": ("heads", "medusa"),
+    "hydra": ("heads", "hydra"),
+    "hydra_combined": ("heads-combined", "hydra"),
+}
+ORT_CONFIGS = {"onnxrt_combined": "combined", "onnxrt_hydra_combined": "heads-combined"}
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The first position where the sequences [1, L] differ (the shorter length when one is a prefix)."""
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[0, :n] != b[0, :n]).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+def _programs(model, device, tokenizer, export_dir):
+    programs = {}
+    for name, (drafter, heads) in TORCH_CONFIGS.items():
+        passes = [specpass.rewrites.TreeAttention(max_nodes=64)]
+        if heads is not None:
+            passes.append(specpass.rewrites.DraftHeads(kind=heads))
+        options = {"drafter": drafter_by_name(drafter), "pipeline": specpass.Pipeline(*passes)}
+        programs[name] = specpass.compile_program(torch.compile(model, backend="specpass", options=options))
+    from specpass.backends.onnx_export import export
+
+    cpu_model, _ = specpass.load_default_model()  # the export's check compares ORT CPU with a CPU copy
+    pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(64), specpass.rewrites.DraftHeads("hydra"))
+    with torch.no_grad():
+        export(cpu_model, pipeline, export_dir, tokenizer=tokenizer)
+    for name, drafter in ORT_CONFIGS.items():
+        programs[name] = specpass.load_onnx(export_dir, drafter=drafter_by_name(drafter), device=device,
+                                            cuda_graphs=device.type == "cuda")  # fmt: skip
+    return programs
+
+
+def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = specpass.load_default_model(device=device)
+    sets = {
+        "code": [P.encode_code(tokenizer, p) for p in P.code_prompts(prompts_per_set, CODE_OFFSET)],
+        "chat": [P.encode_chat(tokenizer, m) for m in P.chat_messages(prompts_per_set, CHAT_OFFSET)],
+    }
+    if min(len(ids) for ids in sets.values()) < prompts_per_set:
+        raise SystemExit(f"fewer than {prompts_per_set} prompts per set at these offsets")
+    programs = _programs(model, device, tokenizer, os.path.join(tempfile.mkdtemp(prefix="specpass-"), "onnx"))
+    results = {name: {"prompts": 0, "differing": [], "tau": 0.0} for name in programs}
+    started = time.time()
+    for set_name, prompt_ids in sets.items():
+        for program in programs.values():
+            program.forget()
+        for index, ids in enumerate(prompt_ids):
+            ids = ids.to(device)
+            with torch.no_grad():
+                reference = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False).cpu()
+            for name, program in programs.items():
+                out = specpass.generate(program, ids, max_new_tokens)
+                row = results[name]
+                row["prompts"] += 1
+                row["tau"] += out.stats.new_tokens / out.stats.target_forwards
+                if not torch.equal(out.sequences.cpu(), reference):
+                    where = _first_difference(out.sequences.cpu(), reference) - ids.shape[1]
+                    row["differing"].append({"set": set_name, "index": index, "first_differing_token": where})
+            print(f"{set_name} {index}: {reference.shape[1] - ids.shape[1]} tokens, "
+                  f"{time.time() - started:.0f}s", flush=True)  # fmt: skip
+    for row in results.values():
+        row["tau"] = round(row["tau"] / row["prompts"], 3)  # mean per-prompt tau (a sanity figure, not a benchmark)
+    label = device_label(device)
+    report = {
+        **run_identity(device),
+        "max_new_tokens": max_new_tokens,
+        "prompt_sets": {"code": f"HumanEval[{CODE_OFFSET}:{CODE_OFFSET + prompts_per_set}] raw",
+                        "chat": f"stdlib docstring summaries [{CHAT_OFFSET}:{CHAT_OFFSET + prompts_per_set}]"},  # fmt: skip
+        "reference": "HF generate, do_sample=False",
+        "results": results,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"lossless-{_slug(label)}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    for name, row in results.items():
+        print(f"{name:24s} {row['prompts']} prompts, {len(row['differing'])} differing, mean tau {row['tau']}")
+    print(f"wrote {path}")
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    report = run(args.prompts, args.max_new_tokens, args.out)
+    return 1 if any(row["differing"] for row in report["results"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
