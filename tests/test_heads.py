@@ -11,7 +11,7 @@ from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
 from specpass.drafters.heads import HeadsSession
 from specpass.heads import HeadsMismatchError, load_heads, save_heads
 from specpass.heads.modules import DraftStep, draft_vocabulary
-from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
+from specpass.heads.train import Continuation, TrainConfig, _DraftVocabulary, generate_corpus, train_heads
 from specpass.heads.trees import expected_length, optimal_static_tree
 from specpass.ir import capture, info, verify
 from specpass.rewrites import DraftHeads, TreeAttention
@@ -161,6 +161,20 @@ def test_draft_vocabulary_is_the_most_frequent_training_tokens(trained):
     assert not hasattr(out["medusa"][1], "draft_vocab") and out["medusa"][2].draft_vocab == 0  # 8192 >= 96 tokens
     with pytest.raises(specpass.InvalidParameterError, match="draft_vocab"):
         TrainConfig(draft_vocab=-1)
+
+
+def test_training_targets_are_the_teachers_law_on_the_draft_vocabulary():
+    weight = torch.randn(10, 4)  # [V, H]
+    outputs = _DraftVocabulary(weight, torch.tensor([7, 2, 5]))  # the heads' rows: tokens 7, 2, 5
+    assert torch.equal(outputs.weight, weight[[7, 2, 5]])
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0]])  # the teacher's sparse law [2, TOP]
+    ids = torch.tensor([[2, 9, 5], [1, 3, 0]])  # position 2 has no mass on the draft vocabulary
+    law, rows = outputs.law(probs, ids)
+    assert torch.allclose(law[0], torch.tensor([5 / 7, 0.0, 2 / 7])) and rows[0, [0, 2]].tolist() == [1, 2]
+    assert law[1].sum() == 0  # no target, so no loss, rather than a law on tokens it cannot propose
+    assert outputs.tokens(torch.tensor([2, 0])).tolist() == [5, 7]
+    whole = _DraftVocabulary(weight, None)
+    assert whole.weight is weight and whole.law(probs, ids)[1] is ids
 
 
 def test_verifier_rejects_a_draft_graph_that_does_not_read_the_lm_head(trained):

@@ -107,9 +107,8 @@ class HeadsSession(DraftSession):
         out: dict[tuple[int, ...], list] = {}
         frontier = [((self.root,), 1.0)]
         for d in range(k):
-            rows = torch.zeros(len(frontier), k, dtype=torch.long, device=device)
-            for i, (path, _) in enumerate(frontier):
-                rows[i, : len(path)] = torch.tensor(path, device=device)
+            padded = [list(path) + [0] * (k - len(path)) for path, _ in frontier]  # head d reads path only
+            rows = torch.tensor(padded, dtype=torch.long, device=device)  # [N, K]: one host-to-device copy
             tokens, probs = self._top(rows, torch.full((len(frontier),), d, dtype=torch.long, device=device))
             scored = []
             for (path, score), row_tokens, row_probs in zip(frontier, tokens, probs):
