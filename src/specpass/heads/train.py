@@ -9,7 +9,7 @@
 3. Training: at every position t (prompt positions included: more data, and the law there is the
    model's all the same), head k (k = 1..K) learns the model's distribution of x[t+k+1] (cross-
    entropy to the sparse teacher at t+k; the loss shown is the KL divergence); Hydra heads read the
-   embeddings of the sequence's own tokens x[t+1..t+K] (teacher forcing). The LM head and the
+   embeddings of the sequence's own tokens x[t+1..t+k] (teacher forcing). The LM head and the
    embedding stay frozen and shared. AdamW, cosine schedule, fixed seed; a progress bar shows the
    loss and each head's top-1 agreement with the model's greedy token.
 4. Draft vocabulary: the `draft_vocab` tokens most frequent in the training sequences (prompts and
@@ -220,9 +220,9 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
                 embeds = embed(tokens)  # [B, K, H]
             states = heads(h, embeds)  # [B, K, H]
             log_probs = F.log_softmax(F.linear(states, restrict.weight).float(), dim=-1)  # [B, K, D]
-            probs, rows = restrict.law(probs, ids)  # [B, K, TOP]: the teacher on the draft vocabulary
+            target, rows = restrict.law(probs, ids)  # [B, K, TOP]: the teacher on the draft vocabulary
             # KL(model || head) on the model's sparse law (its gradient is the cross-entropy's)
-            loss = (probs * (probs.clamp_min(1e-12).log() - log_probs.gather(-1, rows))).sum(-1).mean()
+            loss = (target * (target.clamp_min(1e-12).log() - log_probs.gather(-1, rows))).sum(-1).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
