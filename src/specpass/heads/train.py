@@ -205,7 +205,7 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
                            draft_vocab=draft_vocab)  # fmt: skip
     vocab_ids = draft_vocabulary([seq.tokens for seq in train_set], vocab, draft_vocab) if draft_vocab else None
     heads = make_heads(identity, vocab_ids).to(device).train()
-    restrict = _DraftVocabulary(lm_weight, vocab_ids)
+    outputs = _DraftVocabulary(lm_weight, vocab_ids)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     steps = config.epochs * math.ceil(len(positions) / config.batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
@@ -219,8 +219,8 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
             with torch.no_grad():
                 embeds = embed(tokens)  # [B, K, H]
             states = heads(h, embeds)  # [B, K, H]
-            log_probs = F.log_softmax(F.linear(states, restrict.weight).float(), dim=-1)  # [B, K, D]
-            target, rows = restrict.law(probs, ids)  # [B, K, TOP]: the teacher on the draft vocabulary
+            log_probs = F.log_softmax(F.linear(states, outputs.weight).float(), dim=-1)  # [B, K, D]
+            target, rows = outputs.law(probs, ids)  # [B, K, TOP]: the teacher on the draft vocabulary
             # KL(model || head) on the model's sparse law (its gradient is the cross-entropy's)
             loss = (target * (target.clamp_min(1e-12).log() - log_probs.gather(-1, rows))).sum(-1).mean()
             optimizer.zero_grad(set_to_none=True)
@@ -228,7 +228,7 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
             optimizer.step()
             schedule.step()
             losses.append(loss.item())
-            top1 = (restrict.tokens(log_probs.argmax(-1)) == ids[..., 0]).float().mean(0).tolist()
+            top1 = (outputs.tokens(log_probs.argmax(-1)) == ids[..., 0]).float().mean(0).tolist()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=" ".join(f"{a:.2f}" for a in top1))
             bar.update()
     bar.close()
