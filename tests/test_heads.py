@@ -177,6 +177,24 @@ def test_training_targets_are_the_teachers_law_on_the_draft_vocabulary():
     assert whole.weight is weight and whole.law(probs, ids)[1] is ids
 
 
+def test_training_prompts_are_apart_from_every_evaluation_prompt():
+    from specpass.prompts import CHAT_MODULES, chat_texts, human_eval_problems
+    from specpass.training_prompts import TRAIN_MODULES, documented_functions
+
+    assert not set(TRAIN_MODULES) & set(CHAT_MODULES)
+    found = documented_functions()
+    assert len(found) > 1000 and {module for module, *_ in found} <= set(TRAIN_MODULES)
+    training_text = "\n".join(doc for *_, doc in found)
+    problems = human_eval_problems()
+    evaluation = chat_texts(len(CHAT_MODULES)) + [p["prompt"] for p in problems]
+    paragraphs = [p.strip() for text in evaluation for p in text.split("\n\n") if len(p.split()) > 8]
+    assert len(paragraphs) > 200
+    assert not [p for p in paragraphs if p in training_text]  # no evaluation paragraph is trained on
+    evaluated_defs = {line.strip() for p in problems for line in p["prompt"].splitlines() if line.startswith("def ")}
+    trained_defs = {f"def {name.split('.')[-1]}{signature}:" for _, name, signature, _ in found}
+    assert len(evaluated_defs) >= 164 and not evaluated_defs & trained_defs  # no HumanEval function is trained on
+
+
 def test_verifier_rejects_a_draft_graph_that_does_not_read_the_lm_head(trained):
     import copy
 

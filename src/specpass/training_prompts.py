@@ -18,11 +18,17 @@ from specpass.prompts import encode_chat, encode_code
 
 TRAIN_MODULES = (
     "abc", "ast", "bz2", "codecs", "codeop", "colorsys", "concurrent.futures", "configparser", "dis", "doctest",
-    "email.utils", "filecmp", "ftplib", "getopt", "gettext", "graphlib", "gzip", "http.cookiejar", "importlib.util",
-    "inspect", "ipaddress", "linecache", "locale", "lzma", "mailbox", "mimetypes", "multiprocessing.pool", "numbers",
-    "operator", "os", "pkgutil", "platform", "plistlib", "posixpath", "pprint", "quopri", "sched", "selectors",
-    "shlex", "smtplib", "sysconfig", "timeit", "tokenize", "traceback", "types", "typing", "unittest.mock",
-    "urllib.request", "uuid", "warnings", "weakref", "wsgiref.util", "xml.dom.minidom", "zoneinfo",
+    "email.utils", "filecmp", "ftplib", "getopt", "gettext", "graphlib", "gzip", "http.cookiejar",
+    "importlib.util", "inspect", "ipaddress", "linecache", "locale", "lzma", "mailbox", "mimetypes",
+    "multiprocessing.pool", "numbers", "operator", "os", "pkgutil", "platform", "plistlib", "posixpath", "pprint",
+    "quopri", "sched", "selectors", "shlex", "smtplib", "sysconfig", "timeit", "tokenize", "traceback", "types",
+    "typing", "unittest.mock", "urllib.request", "uuid", "warnings", "weakref", "wsgiref.util", "xml.dom.minidom",
+    "zoneinfo", "asyncio.base_events", "asyncio.events", "asyncio.locks", "asyncio.streams", "asyncio.tasks",
+    "bdb", "cmd", "code", "email.header", "email.message", "email.policy", "genericpath", "http.client",
+    "http.server", "imaplib", "importlib.metadata", "importlib.resources.abc", "ntpath", "optparse", "pdb",
+    "pickletools", "poplib", "pstats", "pydoc", "signal", "site", "socketserver", "ssl", "symtable", "trace",
+    "tracemalloc", "unittest.case", "venv", "xml.etree.ElementTree", "xml.sax.saxutils", "xmlrpc.client",
+    "xmlrpc.server", "zipimport",
 )  # fmt: skip
 CHAT_INSTRUCTIONS = (
     "Summarize the following documentation in a few sentences.",

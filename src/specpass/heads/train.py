@@ -45,7 +45,7 @@ class TrainConfig:
     num_heads: int = 4
     prompts: int = 2000  # training prompts (the first ones of training_prompts, which has fewer: all of them)
     max_new_tokens: int = 128
-    epochs: int = 8
+    epochs: int = 4
     batch_size: int = 128  # positions per step
     lr: float = 2e-3
     seed: int = 0
