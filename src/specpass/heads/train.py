@@ -20,7 +20,8 @@
    8192 of them, so the same time buys several times more epochs (held-out top-1 rose with them).
 5. Accuracy table: on held-out sequences, at generated positions only (where x[t+1..] is the
    model's greedy text, as in decoding), how often head k's rank-r token (within the draft
-   vocabulary) is the model's greedy x[t+k+1]; saved in heads.json, it seeds the drafter's static trees and acceptance priors.
+   vocabulary) is the model's greedy x[t+k+1]; saved in heads.json, it seeds the drafter's static
+   trees and acceptance priors.
 """
 
 from __future__ import annotations
@@ -160,13 +161,14 @@ class _DraftVocabulary:
     """The heads' output space in training: the LM head's rows of the draft vocabulary (or all of it)."""
 
     def __init__(self, lm_weight: torch.Tensor, vocab_ids: torch.Tensor | None):
-        self.vocab_ids = vocab_ids
-        if vocab_ids is None:
+        device = lm_weight.device
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(device)  # [D]
+        if self.vocab_ids is None:
             self.weight, self.row_of = lm_weight, None  # [V, H]
             return
-        self.weight = lm_weight[vocab_ids.to(lm_weight.device)]  # [D, H]
-        self.row_of = torch.full((lm_weight.shape[0],), -1, dtype=torch.long, device=lm_weight.device)  # [V]
-        self.row_of[vocab_ids.to(lm_weight.device)] = torch.arange(len(vocab_ids), device=lm_weight.device)
+        self.weight = lm_weight[self.vocab_ids]  # [D, H]
+        self.row_of = torch.full((lm_weight.shape[0],), -1, dtype=torch.long, device=device)  # [V]
+        self.row_of[self.vocab_ids] = torch.arange(len(self.vocab_ids), device=device)
 
     def law(self, probs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's sparse law (probs, token ids [..., TOP]) restricted to the draft vocabulary and
@@ -179,7 +181,7 @@ class _DraftVocabulary:
 
     def tokens(self, rows: torch.Tensor) -> torch.Tensor:
         """Token ids of output rows."""
-        return rows if self.vocab_ids is None else self.vocab_ids.to(rows.device)[rows]
+        return rows if self.vocab_ids is None else self.vocab_ids[rows]
 
 
 def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfig, out_dir: str | None = None,
