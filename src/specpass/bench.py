@@ -128,9 +128,9 @@ def _compiled_forward(model, device):
     `options={"freezing": True}` left the forward at plain-eager speed)."""
     if device.type == "cuda":
         return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    import torch._inductor.config
+    from torch._inductor import config as inductor_config  # not `import torch...`: that would make torch local
 
-    torch._inductor.config.freezing = True
+    inductor_config.freezing = True
     return torch.compile(model.forward, fullgraph=True)
 
 
