@@ -41,23 +41,30 @@ class CostCurve:
         return {n: s / self.seconds[0] for n, s in zip(self.sizes, self.seconds)}
 
 
-def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 5) -> CostCurve:
+def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 5,
+            min_seconds: float = 0.05) -> CostCurve:  # fmt: skip
     """Median latency per size of `forward(tokens, positions, tree_mask, start)` (a program's verify
-    forward) on a chain of `size` tokens after `kv_len - size` cached slots."""
+    forward) on a chain of `size` tokens after `kv_len - size` cached slots.
+
+    Each size runs at least `repeats` times and until `min_seconds` have been timed: a CPU step takes
+    tens of milliseconds, so five runs suffice; a CUDA-graph replay takes a few hundred microseconds,
+    where five runs left the curve noisy on an H100 (12 nodes 2.4x one token, 64 nodes 1.5x).
+    """
     seconds = []
     for size in sizes:
         start = max(kv_len - size, 0)
         tokens = torch.zeros(size, dtype=torch.long, device=device)
         positions = torch.arange(start, start + size, device=device)
         chain = torch.ones(size, size, dtype=torch.bool, device=device).tril()
-        samples = []
-        for i in range(repeats + 2):
+        for _ in range(2):  # warm-up (and CUDA-graph capture)
+            forward(tokens, positions, chain, start)
+        samples: list[float] = []
+        while len(samples) < repeats or sum(samples) < min_seconds:
             _synchronize(device)
             t0 = time.perf_counter()
             forward(tokens, positions, chain, start)
             _synchronize(device)
-            if i >= 2:  # the first runs warm up (and capture CUDA graphs)
-                samples.append(time.perf_counter() - t0)
+            samples.append(time.perf_counter() - t0)
         seconds.append(statistics.median(samples))
     return CostCurve(tuple(sizes), tuple(seconds))
 

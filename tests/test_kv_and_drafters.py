@@ -1,6 +1,8 @@
+import time
+
 import torch
 
-from specpass.backends.cost import CostCurve
+from specpass.backends.cost import CostCurve, measure
 from specpass.backends.kv import compact
 from specpass.drafters import (
     Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, Verified, accept_greedy, build_tree, expected_tokens,
@@ -66,6 +68,23 @@ def test_cost_curve_picks_the_size_with_most_tokens_per_second():
     assert curve.best_size([1.0, 1.5, 1.9, 2.2, 2.4, 2.5, 2.6, 2.7]) == 4
     assert curve.best_size([1.0, 1.05, 1.06, 1.07]) == 1
     assert CostCurve((1, 64), (1.0, 1.0)).best_size([1.0, 2.0, 3.0]) == 3
+
+
+def test_cost_curve_times_fast_steps_until_enough_time_has_passed():
+    calls = {}
+
+    def forward(delay):
+        def run(tokens, positions, mask, start):
+            calls[delay, len(tokens)] = calls.get((delay, len(tokens)), 0) + 1
+            time.sleep(delay)
+
+        return run
+
+    slow = measure(forward(0.012), torch.device("cpu"), (1, 4), repeats=5, min_seconds=0.05)
+    assert calls[0.012, 1] == calls[0.012, 4] == 2 + 5  # warm-up + repeats: 5 x 12 ms passes 50 ms
+    assert all(0.012 <= s < 0.1 for s in slow.seconds)
+    measure(forward(0.0005), torch.device("cpu"), (1, 4), repeats=5, min_seconds=0.05)
+    assert calls[0.0005, 1] > 2 + 5 and calls[0.0005, 4] > 2 + 5  # sub-ms steps: more runs, to 50 ms of samples
 
 
 def test_token_recycling_table_is_inherited_by_the_next_generation():

@@ -122,12 +122,17 @@ def _hf_runner(model, counter, device, name, compiled_forward):
 
 
 def _compiled_forward(model, device):
-    """HF's forward under torch.compile: CUDA graphs on a GPU; on a CPU inductor with weight freezing
-    (it packs the linear weights for oneDNN, as specpass's CPU lowering does). Freezing is set in
-    inductor's global config: compilation is lazy, and only the global setting reaches it (measured:
-    `options={"freezing": True}` left the forward at plain-eager speed)."""
+    """HF's forward under torch.compile, or None where HF compiles it itself.
+
+    On a GPU, `generate` with a static cache compiles the forward by itself (transformers' auto-compile,
+    CUDA graphs managed by HF), so the baseline is that, untouched: a forward compiled here as well
+    ran inside HF's compiled call and failed on an H100 ("accessing tensor output of CUDAGraphs that
+    has been overwritten"). On a CPU HF does not compile, so this does:
+    inductor with weight freezing (it packs the linear weights for oneDNN, as specpass's CPU lowering
+    does). Freezing is set in inductor's global config: compilation is lazy, and only the global
+    setting reaches it (measured: `options={"freezing": True}` left the forward at plain-eager speed)."""
     if device.type == "cuda":
-        return torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        return None
     from torch._inductor import config as inductor_config  # not `import torch...`: that would make torch local
 
     inductor_config.freezing = True
