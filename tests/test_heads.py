@@ -195,6 +195,46 @@ def test_training_prompts_are_apart_from_every_evaluation_prompt():
     assert len(evaluated_defs) >= 164 and not evaluated_defs & trained_defs  # no HumanEval function is trained on
 
 
+def test_training_prompts_give_every_function_both_formats_and_keep_their_prefix(default_model):
+    from specpass.training_prompts import documented_functions, training_prompts
+
+    _, tokenizer = default_model
+    functions = documented_functions()
+    prompts = training_prompts(tokenizer)
+    assert len(prompts) == 2 * len(functions)
+    assert all(torch.equal(a, b) for a, b in zip(training_prompts(tokenizer, 40), prompts[:40]))
+    chat_start = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)[:12]
+    for i in (0, 1, 2, 3, len(functions) - 1):
+        formats = [tokenizer.decode(p[0]).startswith(chat_start) for p in (prompts[i], prompts[len(functions) + i])]
+        assert formats == [i % 2 == 1, i % 2 == 0]  # first pass alternates, second pass the other format
+        name = functions[i][1].split(".")[-1]
+        assert all(name in tokenizer.decode(p[0]) or functions[i][3][:40] in tokenizer.decode(p[0])
+                   for p in (prompts[i], prompts[len(functions) + i]))  # fmt: skip
+
+
+def test_corpus_states_are_the_models_own_final_normed_states():
+    """generate_corpus catches the states of its own forwards (left-padded batches, prefill then one
+    token per step); they equal one forward over the finished sequence, so the teacher's law does too."""
+    from specpass.heads.train import teacher
+
+    model = _peaked_tiny_model()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (1, 3 + i % 7), generator=gen) for i in range(10)]
+    corpus = generate_corpus(model, prompts, max_new_tokens=12, batch_size=4, progress=False)
+    for prompt, seq in zip(prompts, corpus):
+        assert torch.equal(seq.tokens[: prompt.shape[1]], prompt[0]) and seq.start == prompt.shape[1] - 1
+        with torch.no_grad():
+            states = model.model(seq.tokens[None]).last_hidden_state[0]  # [L, H]
+        assert seq.hidden.shape == (len(seq.tokens) - 1, states.shape[-1])
+        torch.testing.assert_close(seq.hidden, states[:-1], atol=1e-4, rtol=1e-4)
+    caught, recomputed = teacher(model, corpus), teacher(model, [Continuation(c.tokens, c.start) for c in corpus])
+    ends = torch.tensor(caught.offsets[1:] + [len(caught.tokens)]) - 1  # each sequence's last position
+    keep = torch.ones(len(caught.tokens), dtype=torch.bool)
+    keep[ends] = False  # generation never computes the last token's state (no position reads it)
+    assert torch.equal(caught.ids[keep, 0], recomputed.ids[keep, 0])
+    assert not caught.hidden[ends].any()
+
+
 def test_verifier_rejects_a_draft_graph_that_does_not_read_the_lm_head(trained):
     import copy
 

@@ -81,14 +81,22 @@ def _code(qualname: str, signature: str, doc: str) -> str:
 
 
 def training_prompts(tokenizer, count: int | None = None) -> list:
-    """Token ids [1, P] of the training prompts, alternating code and chat; the first `count` of them."""
+    """Token ids [1, P] of the training prompts; the first `count` of them.
+
+    Every function gives two prompts, a code one and a chat one. The first pass over the functions
+    alternates the two formats (code for the even ones), the second gives each function its other
+    format, so any prefix covers as many different functions as it can, and the first prompts (the
+    trainer's held-out set) are the same however many are taken.
+    """
+    functions = documented_functions()
     out = []
-    for i, (_, name, signature, doc) in enumerate(documented_functions()):
-        if i % 2 == 0:
-            out.append(encode_code(tokenizer, _code(name, signature, doc)))
-        else:
-            instruction = CHAT_INSTRUCTIONS[(i // 2) % len(CHAT_INSTRUCTIONS)]
-            out.append(encode_chat(tokenizer, [{"role": "user", "content": f"{instruction}\n\n{doc}"}]))
-        if count is not None and len(out) >= count:
-            break
+    for second_pass in (False, True):
+        for i, (_, name, signature, doc) in enumerate(functions):
+            if count is not None and len(out) >= count:
+                return out
+            if (i % 2 == 0) != second_pass:
+                out.append(encode_code(tokenizer, _code(name, signature, doc)))
+            else:
+                instruction = CHAT_INSTRUCTIONS[(i // 2) % len(CHAT_INSTRUCTIONS)]
+                out.append(encode_chat(tokenizer, [{"role": "user", "content": f"{instruction}\n\n{doc}"}]))
     return out

@@ -1,11 +1,12 @@
 """Self-distillation of draft heads: the model labels its own data, the heads learn its distribution.
 
 1. Corpus: the training prompts (`training_prompts`: standard-library functions, apart from every
-   evaluation prompt) and the model's greedy continuations of them, generated in batches.
-2. Teacher: one forward of the model over each sequence gives the final normed hidden state h[t]
-   of every position and the model's own next-token law there, kept sparse: its top-32
-   probabilities, renormalised (computed once per position; every head that targets the position
-   reuses them).
+   evaluation prompt) and the model's greedy continuations of them, generated in batches; a hook on
+   the final norm keeps the normed hidden state h[t] of every position from those same forwards.
+2. Teacher: the LM head on h[t] gives the model's own next-token law at every position, kept
+   sparse: its top-32 probabilities, renormalised (computed once per position; every head that
+   targets the position reuses them). A corpus without states (one loaded from a cache) gets them
+   from one forward per sequence.
 3. Training: at every position t (prompt positions included: more data, and the law there is the
    model's all the same), head k (k = 1..K) learns the model's distribution of x[t+k+1] (cross-
    entropy to the sparse teacher at t+k; the loss shown is the KL divergence); Hydra heads read the
@@ -44,9 +45,9 @@ TEACHER_TOP = 32  # the teacher's law is kept as its top-32 probabilities (renor
 class TrainConfig:
     kind: str = "medusa"
     num_heads: int = 4
-    prompts: int = 2000  # training prompts (the first ones of training_prompts, which has fewer: all of them)
+    prompts: int = 2200  # training prompts: the first ones of training_prompts (2808 under Python 3.11)
     max_new_tokens: int = 128
-    epochs: int = 4
+    epochs: int = 2
     batch_size: int = 128  # positions per step
     lr: float = 2e-3
     seed: int = 0
@@ -73,16 +74,36 @@ class TrainConfig:
 class Continuation:
     tokens: torch.Tensor  # [L] int64: prompt + greedy continuation
     start: int  # first position t whose x[t+1] the model generated (prompt length - 1)
+    hidden: torch.Tensor | None = None  # [L - 1, H] float32: final normed states of all but the last token
+
+
+class _FinalNormCapture:
+    """Forward hook on the model's final norm: the normed hidden states [B, S, H] of every forward,
+    which is what the LM head reads (generate computes them anyway; the teacher reuses them)."""
+
+    def __init__(self, model: nn.Module):
+        self.calls: list[torch.Tensor] = []
+        self.handle = model.model.norm.register_forward_hook(lambda _m, _i, out: self.calls.append(out.float().cpu()))
+
+    def take(self) -> list[torch.Tensor]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def close(self) -> None:
+        self.handle.remove()
 
 
 @torch.no_grad()
-def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int = 16,
+def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int = 48,
                     progress: bool = True) -> list[Continuation]:  # fmt: skip
-    """The model's greedy continuations of `prompts` [1, P] each, up to EOS, `batch_size` at a time.
+    """The model's greedy continuations of `prompts` [1, P] each, up to EOS, `batch_size` at a time,
+    with the final normed hidden state of every position but the last (`Continuation.hidden`).
 
-    Batches group prompts of similar length, left-padded. A batched forward can round differently
-    from a single one, so a near-tie may resolve otherwise than unbatched greedy: harmless here,
-    since training targets are the model's law recomputed on each finished sequence.
+    The states come from the generation's own forwards (prefill, then one token per step), caught on
+    the final norm, so the teacher needs no second forward over the corpus. Batches group prompts of
+    similar length, left-padded. A batched forward can round differently from a single one, so a
+    near-tie may resolve otherwise than unbatched greedy: harmless here, since the training targets
+    are the model's law at these states, whichever way the tie went.
     """
     from tqdm.auto import tqdm
 
@@ -93,24 +114,34 @@ def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_token
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[1])
     out: dict[int, Continuation] = {}
+    capture = _FinalNormCapture(model)
     bar = tqdm(total=len(prompts), desc="self-distillation corpus", disable=not progress)
-    for first in range(0, len(order), batch_size):
-        chunk = order[first : first + batch_size]
-        width = max(prompts[i].shape[1] for i in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, i in enumerate(chunk):
-            length = prompts[i].shape[1]
-            ids[row, width - length :], mask[row, width - length :] = prompts[i][0], 1
-        generated = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                                   do_sample=False, pad_token_id=pad)[:, width:].cpu()  # fmt: skip
-        for row, i in enumerate(chunk):
-            new = generated[row].tolist()
-            stop = next((j + 1 for j, token in enumerate(new) if token in eos), len(new))
-            tokens = torch.cat((prompts[i][0].cpu(), torch.tensor(new[:stop], dtype=torch.long)))
-            out[i] = Continuation(tokens, prompts[i].shape[1] - 1)
-        bar.update(len(chunk))
-    bar.close()
+    try:
+        for first in range(0, len(order), batch_size):
+            chunk = order[first : first + batch_size]
+            width = max(prompts[i].shape[1] for i in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                length = prompts[i].shape[1]
+                ids[row, width - length :], mask[row, width - length :] = prompts[i][0], 1
+            generated = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                                       do_sample=False, pad_token_id=pad)[:, width:].cpu()  # fmt: skip
+            prefill, *steps = capture.take()  # [B, width, H], then [B, 1, H] per generated token but the last
+            if prefill.shape[1] != width or any(step.shape[1] != 1 for step in steps):
+                raise RuntimeError("generate did not run one prefill and then one token per forward")
+            states = torch.cat([prefill, *steps], dim=1)  # [B, width + new - 1, H]
+            for row, i in enumerate(chunk):
+                new = generated[row].tolist()
+                stop = next((j + 1 for j, token in enumerate(new) if token in eos), len(new))
+                length = prompts[i].shape[1]
+                tokens = torch.cat((prompts[i][0].cpu(), torch.tensor(new[:stop], dtype=torch.long)))
+                hidden = states[row, width - length : width + stop - 1].clone()  # [L - 1, H]
+                out[i] = Continuation(tokens, length - 1, hidden)
+            bar.update(len(chunk))
+    finally:
+        capture.close()
+        bar.close()
     return [out[i] for i in range(len(prompts))]
 
 
@@ -128,8 +159,18 @@ class Teacher:
 
 @torch.no_grad()
 def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> Teacher:
+    """The corpus's states and the model's sparse law at each. States come from the corpus when it has
+    them (generate_corpus), else from one forward per sequence. The last position's state, which
+    generation never computes, is left zero: no training position reads it or its law (a position t
+    needs x[t+K+1], so t + K <= L - 2)."""
     device = next(model.parameters()).device
-    hidden = torch.cat([model.model(seq.tokens[None].to(device)).last_hidden_state[0].float() for seq in corpus])
+    states = []
+    for seq in corpus:
+        if seq.hidden is None:
+            states.append(model.model(seq.tokens[None].to(device)).last_hidden_state[0].float())
+        else:
+            states.append(F.pad(seq.hidden.to(device), (0, 0, 0, 1)))  # [L, H]: a zero last row
+    hidden = torch.cat(states)  # [F, H]
     probs, ids = [], []
     for part in hidden.split(chunk):
         logits = F.linear(part, model.lm_head.weight.float())  # [chunk, V]
