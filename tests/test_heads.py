@@ -36,13 +36,13 @@ def trained(tmp_path_factory):
     """Tiny llama with Medusa heads (whole vocabulary: the default 8192 exceeds its 96 tokens) and Hydra
     heads (draft vocabulary of 48 tokens) trained on its own greedy continuations."""
     model = _peaked_tiny_model()
-    corpus = _corpus(model)
+    corpus, held_out = _corpus(model), _corpus(model, count=4, seed=1)
     out = {}
     for kind, draft_vocab in (("medusa", 8192), ("hydra", 48)):
         directory = str(tmp_path_factory.mktemp(kind))
         config = TrainConfig(kind=kind, num_heads=3, prompts=len(corpus), epochs=6, batch_size=16, lr=3e-3,
                              held_out=4, draft_vocab=draft_vocab)  # fmt: skip
-        heads, heads_config, losses = train_heads(model, corpus, config, out_dir=directory, progress=False)
+        heads, heads_config, losses = train_heads(model, corpus, held_out, config, out_dir=directory, progress=False)
         out[kind] = directory, heads, heads_config, losses
     return model, out, corpus
 
@@ -60,10 +60,10 @@ def test_trainer_lowers_the_loss_and_measures_accuracy(trained):
 
 def test_training_is_deterministic():
     model = tiny_model("llama")
-    corpus = _corpus(model, count=8)
+    corpus, held_out = _corpus(model, count=8), _corpus(model, count=2, seed=1)
     config = TrainConfig(num_heads=2, prompts=8, epochs=1, batch_size=16, held_out=2)
-    _, _, a = train_heads(model, corpus, config, progress=False)
-    _, _, b = train_heads(model, corpus, config, progress=False)
+    _, _, a = train_heads(model, corpus, held_out, config, progress=False)
+    _, _, b = train_heads(model, corpus, held_out, config, progress=False)
     assert a == b
 
 
@@ -151,7 +151,7 @@ def test_hydra_path_drafted_level_by_level_equals_step_by_step(trained):
 def test_draft_vocabulary_is_the_most_frequent_training_tokens(trained):
     model, out, corpus = trained
     _, heads, config, _ = out["hydra"]
-    counts = torch.bincount(torch.cat([seq.tokens for seq in corpus[4:]]), minlength=96)  # held_out=4
+    counts = torch.bincount(torch.cat([seq.tokens for seq in corpus]), minlength=96)  # the training corpus
     chosen = heads.draft_vocab
     assert config.draft_vocab == len(chosen) == len(set(chosen.tolist())) == 48
     assert counts[chosen].min() >= counts[[t for t in range(96) if t not in chosen.tolist()]].max()
@@ -161,6 +161,8 @@ def test_draft_vocabulary_is_the_most_frequent_training_tokens(trained):
     assert not hasattr(out["medusa"][1], "draft_vocab") and out["medusa"][2].draft_vocab == 0  # 8192 >= 96 tokens
     with pytest.raises(specpass.InvalidParameterError, match="draft_vocab"):
         TrainConfig(draft_vocab=-1)
+    with pytest.raises(specpass.InvalidParameterError, match="held-out"):
+        train_heads(model, corpus, [], TrainConfig(held_out=4), progress=False)
 
 
 def test_training_targets_are_the_teachers_law_on_the_draft_vocabulary():
@@ -179,10 +181,13 @@ def test_training_targets_are_the_teachers_law_on_the_draft_vocabulary():
 
 def test_training_prompts_are_apart_from_every_evaluation_prompt():
     from specpass.prompts import CHAT_MODULES, chat_texts, human_eval_problems
-    from specpass.training_prompts import TRAIN_MODULES, documented_functions
+    from specpass.training_prompts import HELD_OUT_MODULES, TRAIN_MODULES, documented_functions
 
     assert not set(TRAIN_MODULES) & set(CHAT_MODULES)
+    assert not set(HELD_OUT_MODULES) & (set(TRAIN_MODULES) | set(CHAT_MODULES))
     found = documented_functions()
+    held_out = documented_functions(HELD_OUT_MODULES)
+    assert len(held_out) >= 32 and not {doc for *_, doc in held_out} & {doc for *_, doc in found}
     assert len(found) > 1000 and {module for module, *_ in found} <= set(TRAIN_MODULES)
     training_text = "\n".join(doc for *_, doc in found)
     problems = human_eval_problems()

@@ -137,7 +137,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
     from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
     from specpass.models import load_model
-    from specpass.training_prompts import training_prompts
+    from specpass.training_prompts import held_out_prompts, training_prompts
 
     given = {"kind": args.kind, "num_heads": args.heads, "prompts": args.prompts, "epochs": args.epochs,
              "max_new_tokens": args.max_new_tokens, "seed": args.seed, "held_out": args.held_out,
@@ -151,7 +151,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         corpus = generate_corpus(model, training_prompts(tokenizer, config.prompts), config.max_new_tokens)
         if args.corpus:
             torch.save([(c.tokens, c.start) for c in corpus], args.corpus)
-    _, heads, _ = train_heads(model, corpus, config, out_dir=args.out)
+    held_out = generate_corpus(model, held_out_prompts(tokenizer, config.held_out), config.max_new_tokens)
+    _, heads, _ = train_heads(model, corpus, held_out, config, out_dir=args.out)
     vocab = f"a draft vocabulary of {heads.draft_vocab} tokens" if heads.draft_vocab else "the whole vocabulary"
     print(f"wrote {args.out}: {heads.num_heads} {heads.kind} heads for model {heads.model}, {vocab}")
     for d, row in enumerate(heads.accuracy, start=1):
@@ -205,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 128)")
     heads.add_argument("--seed", type=int, help="(default 0)")
-    heads.add_argument("--held-out", type=int, help="sequences kept apart for the accuracy table (default 32)")
+    heads.add_argument("--held-out", type=int,
+                       help="held-out prompts (other modules than the training ones) for the accuracy table (default 32)")
     heads.add_argument("--draft-vocab", type=int,
                        help="tokens the heads may propose: the most frequent of the corpus (default 8192; 0: all)")
-    heads.add_argument("--corpus", help="file caching the generated corpus (read if present, else written)")
+    heads.add_argument("--corpus", help="file caching the generated training corpus (read if present, else written)")
     heads.set_defaults(run=cmd_train_heads)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")
     bench.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")

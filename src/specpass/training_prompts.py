@@ -4,6 +4,8 @@ Evaluation uses HumanEval (code) and the module docstrings of `prompts.CHAT_MODU
 uses the docstrings of functions and methods of other standard-library modules (`TRAIN_MODULES`, disjoint from
 CHAT_MODULES): a code prompt asks the model to implement the function from its signature and
 docstring, a chat prompt asks for a summary of the docstring or an explanation of the function.
+The trainer's held-out set (its accuracy table) is built the same way from a third set of modules,
+`HELD_OUT_MODULES`, so no held-out function, nor its docstring in the other format, is trained on.
 The model labels its own data (its greedy continuations), so nothing is downloaded. The set depends
 on the Python version's standard library; the README says which Python built the shipped heads.
 """
@@ -32,6 +34,12 @@ TRAIN_MODULES = (
     "tracemalloc", "unittest.case", "venv", "xml.etree.ElementTree", "xml.sax.saxutils", "xmlrpc.client",
     "xmlrpc.server", "zipimport",
 )  # fmt: skip
+# Modules of the held-out set: in neither of the others, none removed by PEP 594 (a missing one is skipped),
+# no docstring shared with a training function (shelve's Shelf.get repeats Mapping.get's: left out).
+HELD_OUT_MODULES = (
+    "re", "fileinput", "ctypes", "importlib", "pty", "webbrowser", "compileall", "getpass", "modulefinder",
+    "rlcompleter", "cProfile", "dbm", "profile", "pyclbr", "runpy", "zipapp",
+)  # fmt: skip
 CHAT_INSTRUCTIONS = (
     "Summarize the following documentation in a few sentences.",
     "Explain what this Python function does and when you would use it.",
@@ -55,11 +63,11 @@ def _documented(owner, module_name: str, prefix: str = ""):
         yield prefix + name, signature, doc[:1200]
 
 
-def documented_functions() -> list[tuple[str, str, str, str]]:
+def documented_functions(modules: tuple[str, ...] = TRAIN_MODULES) -> list[tuple[str, str, str, str]]:
     """(module, qualified name, signature, docstring) of every public, documented Python function and
-    method of a public class in TRAIN_MODULES."""
+    method of a public class in `modules`."""
     found = []
-    for module_name in TRAIN_MODULES:
+    for module_name in modules:
         try:
             module = importlib.import_module(module_name)
         except ImportError:  # missing from this Python build
@@ -81,14 +89,24 @@ def _code(qualname: str, signature: str, doc: str) -> str:
 
 
 def training_prompts(tokenizer, count: int | None = None) -> list:
-    """Token ids [1, P] of the training prompts; the first `count` of them.
+    """Token ids [1, P] of the training prompts (TRAIN_MODULES); the first `count` of them."""
+    return function_prompts(tokenizer, TRAIN_MODULES, count)
+
+
+def held_out_prompts(tokenizer, count: int | None = None) -> list:
+    """Token ids [1, P] of the trainer's held-out prompts (HELD_OUT_MODULES); the first `count` of them."""
+    return function_prompts(tokenizer, HELD_OUT_MODULES, count)
+
+
+def function_prompts(tokenizer, modules: tuple[str, ...], count: int | None = None) -> list:
+    """Token ids [1, P] of the prompts made from the documented functions of `modules`; the first `count`.
 
     Every function gives two prompts, a code one and a chat one. The first pass over the functions
     alternates the two formats (code for the even ones), the second gives each function its other
-    format, so any prefix covers as many different functions as it can, and the first prompts (the
-    trainer's held-out set) are the same however many are taken.
+    format, so any prefix covers as many different functions as it can, and the first prompts are the
+    same however many are taken.
     """
-    functions = documented_functions()
+    functions = documented_functions(modules)
     out = []
     for second_pass in (False, True):
         for i, (_, name, signature, doc) in enumerate(functions):

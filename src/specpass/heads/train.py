@@ -19,7 +19,8 @@
    head, against the teacher's law restricted to those tokens and renormalised. That is exactly the
    distribution the draft step ranks, and a step costs a sixth of one over all 49152 tokens for
    8192 of them, so the same time buys several times more epochs (held-out top-1 rose with them).
-5. Accuracy table: on held-out sequences, at generated positions only (where x[t+1..] is the
+5. Accuracy table: on held-out sequences (`held_out_prompts`: functions of other modules than the
+   training ones, so no held-out docstring is trained on in either format), at generated positions only (where x[t+1..] is the
    model's greedy text, as in decoding), how often head k's rank-r token (within the draft
    vocabulary) is the model's greedy x[t+k+1]; saved in heads.json, it seeds the drafter's static
    trees and acceptance priors.
@@ -51,21 +52,19 @@ class TrainConfig:
     batch_size: int = 128  # positions per step
     lr: float = 2e-3
     seed: int = 0
-    held_out: int = 32  # sequences kept apart for the accuracy table
+    held_out: int = 32  # held-out prompts (training_prompts.held_out_prompts) for the accuracy table
     ranks: int = 8  # ranks in the accuracy table
     draft_vocab: int = 8192  # tokens the heads may propose (0, or the vocabulary's size or more: all)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise InvalidParameterError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("num_heads", "prompts", "max_new_tokens", "epochs", "batch_size", "ranks"):
+        for name in ("num_heads", "prompts", "max_new_tokens", "epochs", "batch_size", "ranks", "held_out"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
             raise InvalidParameterError(f"draft_vocab must be an int >= 0, got {self.draft_vocab!r}")
-        if not 0 <= self.held_out < self.prompts:
-            raise InvalidParameterError(f"held_out must be in [0, prompts), got {self.held_out}")
         if not self.lr > 0:
             raise InvalidParameterError(f"lr must be positive, got {self.lr}")
 
@@ -225,28 +224,27 @@ class _DraftVocabulary:
         return rows if self.vocab_ids is None else self.vocab_ids[rows]
 
 
-def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfig, out_dir: str | None = None,
-                progress: bool = True) -> tuple[nn.Module, HeadsConfig, list[float]]:  # fmt: skip
-    """Train heads on `corpus` (see module docstring); returns (heads, config, loss per step) and
-    saves them to `out_dir` when given."""
+def train_heads(model: nn.Module, corpus: list[Continuation], held_out: list[Continuation], config: TrainConfig,
+                out_dir: str | None = None, progress: bool = True) -> tuple[nn.Module, HeadsConfig, list[float]]:  # fmt: skip
+    """Train heads on `corpus` and measure their accuracy table on `held_out` (see module docstring);
+    returns (heads, config, loss per step) and saves them to `out_dir` when given."""
     from tqdm.auto import tqdm
 
-    if len(corpus) <= config.held_out:
-        raise InvalidParameterError(f"the corpus has {len(corpus)} sequences, held_out is {config.held_out}")
+    if not corpus or not held_out:
+        raise InvalidParameterError(f"need training and held-out sequences, got {len(corpus)} and {len(held_out)}")
     torch.manual_seed(config.seed)
     lm_weight, embed = model.lm_head.weight.detach(), model.model.embed_tokens
     device = lm_weight.device
     k = config.num_heads
-    train_set, held_out = corpus[config.held_out :], corpus[: config.held_out]
-    data = teacher(model, train_set)
-    positions = _positions(train_set, data.offsets, k, generated_only=False)
+    data = teacher(model, corpus)
+    positions = _positions(corpus, data.offsets, k, generated_only=False)
     if len(positions) == 0:
         raise InvalidParameterError("the corpus has no position with all head targets; generate longer sequences")
     vocab, hidden_size = lm_weight.shape
     draft_vocab = config.draft_vocab if config.draft_vocab < vocab else 0
     identity = HeadsConfig(config.kind, k, hidden_size, vocab, model_fingerprint(model.lm_head),
                            draft_vocab=draft_vocab)  # fmt: skip
-    vocab_ids = draft_vocabulary([seq.tokens for seq in train_set], vocab, draft_vocab) if draft_vocab else None
+    vocab_ids = draft_vocabulary([seq.tokens for seq in corpus], vocab, draft_vocab) if draft_vocab else None
     heads = make_heads(identity, vocab_ids).to(device).train()
     outputs = _DraftVocabulary(lm_weight, vocab_ids)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
@@ -276,7 +274,7 @@ def train_heads(model: nn.Module, corpus: list[Continuation], config: TrainConfi
             bar.update()
     bar.close()
     heads.eval()
-    result = replace(identity, accuracy=measure_accuracy(model, heads, held_out or train_set[:1], k, config.ranks))
+    result = replace(identity, accuracy=measure_accuracy(model, heads, held_out, k, config.ranks))
     if out_dir is not None:
         save_heads(heads, result, out_dir)
     return heads, result, losses
