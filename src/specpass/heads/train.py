@@ -20,10 +20,10 @@
    distribution the draft step ranks, and a step costs a sixth of one over all 49152 tokens for
    8192 of them, so the same time buys several times more epochs (held-out top-1 rose with them).
 5. Accuracy table: on held-out sequences (`held_out_prompts`: functions of other modules than the
-   training ones, so no held-out docstring is trained on in either format), at generated positions only (where x[t+1..] is the
-   model's greedy text, as in decoding), how often head k's rank-r token (within the draft
-   vocabulary) is the model's greedy x[t+k+1]; saved in heads.json, it seeds the drafter's static
-   trees and acceptance priors.
+   training ones, so no held-out docstring is trained on in either format), at generated positions
+   only (where x[t+1..] is the model's greedy text, as in decoding), how often head k's rank-r
+   token (within the draft vocabulary) is the model's greedy x[t+k+1]; saved in heads.json, it
+   seeds the drafter's static trees and acceptance priors.
 """
 
 from __future__ import annotations
