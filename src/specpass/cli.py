@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--out", required=True, help="output directory (heads.safetensors + heads.json)")
     heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
     heads.add_argument("--prompts", type=int,
-                       help="training prompts (standard-library functions, code and chat; default 2200)")
+                       help="training prompts (standard-library and networkx functions, code and chat; default 2000)")
     heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 128)")
     heads.add_argument("--seed", type=int, help="(default 0)")
