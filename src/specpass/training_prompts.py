@@ -21,6 +21,7 @@ import inspect
 import pkgutil
 import re
 import textwrap
+import warnings
 
 from specpass.prompts import encode_chat, encode_code
 
@@ -89,15 +90,17 @@ def documented_functions(modules: tuple[str, ...]) -> list[tuple[str, str, str, 
     """(module, qualified name, signature, docstring) of every public, documented Python function and
     method of a public class in `modules`."""
     found = []
-    for module_name in modules:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # missing from this Python build
-            continue
-        found += [(module_name, *item) for item in _documented(module, module.__name__)]
-        for class_name, cls in sorted(inspect.getmembers(module, inspect.isclass)):
-            if not class_name.startswith("_") and cls.__module__ == module.__name__:
-                found += [(module_name, *item) for item in _documented(cls, module.__name__, f"{class_name}.")]
+    with warnings.catch_warnings():  # listing typing's members reads its deprecated aliases (typing.io, typing.re)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for module_name in modules:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # missing from this Python build
+                continue
+            found += [(module_name, *item) for item in _documented(module, module.__name__)]
+            for class_name, cls in sorted(inspect.getmembers(module, inspect.isclass)):
+                if not class_name.startswith("_") and cls.__module__ == module.__name__:
+                    found += [(module_name, *item) for item in _documented(cls, module.__name__, f"{class_name}.")]
     return found
 
 
