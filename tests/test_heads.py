@@ -190,9 +190,10 @@ def test_training_prompts_are_apart_from_every_evaluation_prompt():
     held_out = documented_functions(HELD_OUT_MODULES)
     assert len(held_out) >= 32 and not {doc for *_, doc in held_out} & {doc for *_, doc in found}
     assert {module for module, *_ in found} <= set(modules)
-    from_networkx = [module for module, *_ in found if module.startswith("networkx.")]
-    assert len(found) - len(from_networkx) > 1000 and len(from_networkx) > 1000
-    assert not [module for module in from_networkx if ".tests" in module or "drawing" in module]
+    packages = [module.split(".")[0] for module, *_ in found]
+    assert packages.count("networkx") > 1000 and packages.count("sympy") > 4000
+    assert len(packages) - packages.count("networkx") - packages.count("sympy") > 1000  # the standard library
+    assert not [module for module in modules if ".tests" in module or "drawing" in module or module == "sympy.this"]
     training_text = "\n".join(doc for *_, doc in found)
     problems = human_eval_problems()
     evaluation = chat_texts(len(CHAT_MODULES)) + [p["prompt"] for p in problems]

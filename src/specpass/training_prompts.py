@@ -2,16 +2,17 @@
 
 Evaluation uses HumanEval (code) and the module docstrings of `prompts.CHAT_MODULES` (chat). Training
 uses the docstrings of functions and methods of other standard-library modules (`TRAIN_MODULES`, disjoint from
-CHAT_MODULES) and of networkx (`networkx_modules`: a dependency of torch, so every install has it;
-graph algorithms, many docstrings with `>>>` examples, which is closer to HumanEval than the standard
-library alone: at equal prompt count it raised the Hydra heads' τ on HumanEval, README). A code prompt
+CHAT_MODULES), of networkx and of sympy (`package_modules`: both dependencies of torch, so every install
+has them; graph algorithms and symbolic maths, many docstrings with `>>>` examples, which is closer to
+HumanEval than the standard library alone: at equal prompt count networkx raised the Hydra heads' τ on
+HumanEval, README; sympy's 4600 functions make the GPU recipe's corpus several times larger). A code prompt
 asks the model to implement the function from its signature and docstring, a chat prompt asks for a
 summary of the docstring or an explanation of the function.
 The trainer's held-out set (its accuracy table) is built the same way from a third set of modules,
 `HELD_OUT_MODULES`, so no held-out function, nor its docstring in the other format, is trained on.
 The model labels its own data (its greedy continuations), so nothing is downloaded. The set depends
-on the Python version's standard library and on networkx's version; the README says which built the
-shipped heads.
+on the Python version's standard library and on networkx's and sympy's versions; the README says which
+built the shipped heads.
 """
 
 from __future__ import annotations
@@ -71,31 +72,33 @@ def _documented(owner, module_name: str, prefix: str = ""):
         yield prefix + name, signature, doc[:1200]
 
 
-def networkx_modules() -> tuple[str, ...]:
-    """networkx's modules in `pkgutil.walk_packages` order (sorted within each package), without its tests
-    and its drawing code (networkx.drawing's plotting, which needs optional dependencies, and
-    algorithms.planar_drawing)."""
-    import networkx
-
-    walked = pkgutil.walk_packages(networkx.__path__, "networkx.")
-    return tuple(m.name for m in walked if ".tests" not in m.name and "drawing" not in m.name)
+def package_modules(package: str) -> tuple[str, ...]:
+    """A package's modules in `pkgutil.walk_packages` order (sorted within each package), without its
+    tests, benchmarks and plotting code (networkx.drawing and algorithms.planar_drawing need optional
+    dependencies) and without `sympy.this` (it prints a poem on import)."""
+    root = importlib.import_module(package)
+    walked = pkgutil.walk_packages(root.__path__, f"{package}.", onerror=lambda _name: None)
+    skip = (".tests", ".benchmarks", "drawing", f"{package}.this")
+    return tuple(m.name for m in walked if not any(part in m.name for part in skip))
 
 
 def training_modules() -> tuple[str, ...]:
-    """The training prompts' modules: TRAIN_MODULES, then networkx's."""
-    return TRAIN_MODULES + networkx_modules()
+    """The training prompts' modules: TRAIN_MODULES, then networkx's, then sympy's."""
+    with warnings.catch_warnings():  # walking sympy imports its deprecated subpackages
+        warnings.simplefilter("ignore")
+        return TRAIN_MODULES + package_modules("networkx") + package_modules("sympy")
 
 
 def documented_functions(modules: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
     """(module, qualified name, signature, docstring) of every public, documented Python function and
     method of a public class in `modules`."""
     found = []
-    with warnings.catch_warnings():  # listing typing's members reads its deprecated aliases (typing.io, typing.re)
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with warnings.catch_warnings():  # importing and listing modules is not this run's business to warn about
+        warnings.simplefilter("ignore")  # (typing.io / typing.re aliases, sympy's deprecated or optional modules)
         for module_name in modules:
             try:
                 module = importlib.import_module(module_name)
-            except ImportError:  # missing from this Python build
+            except Exception:  # missing from this Python build, or an optional dependency that fails to import
                 continue
             found += [(module_name, *item) for item in _documented(module, module.__name__)]
             for class_name, cls in sorted(inspect.getmembers(module, inspect.isclass)):
@@ -115,7 +118,8 @@ def _code(qualname: str, signature: str, doc: str) -> str:
 
 def training_prompts(tokenizer, count: int | None = None) -> list:
     """Token ids [1, P] of the training prompts (`training_modules`); the first `count` of them: every
-    standard-library function once, then every networkx function once, then the second passes."""
+    standard-library function once, then every networkx and every sympy function once, then the second
+    passes (the CPU recipe's default 2000 are all standard-library and networkx ones)."""
     return function_prompts(tokenizer, training_modules(), count)
 
 
