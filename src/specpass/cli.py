@@ -143,7 +143,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
              "max_new_tokens": args.max_new_tokens, "seed": args.seed, "held_out": args.held_out,
              "draft_vocab": args.draft_vocab}  # fmt: skip
     config = TrainConfig(**{name: value for name, value in given.items() if value is not None})
-    model, tokenizer, _ = load_model(args.model)
+    model, tokenizer, _ = load_model(args.model, device=args.device)
     if args.corpus and os.path.exists(args.corpus):
         corpus = [Continuation(tokens, start) for tokens, start in torch.load(args.corpus)]
         print(f"corpus: {len(corpus)} sequences from {args.corpus}")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--out", required=True, help="output directory (heads.safetensors + heads.json)")
     heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
     heads.add_argument("--prompts", type=int,
-                       help="training prompts (standard-library and networkx functions, code and chat; default 2000)")
+                       help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000)")
     heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 128)")
     heads.add_argument("--seed", type=int, help="(default 0)")
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--draft-vocab", type=int,
                        help="tokens the heads may propose: the most frequent of the corpus (default 8192; 0: all)")
     heads.add_argument("--corpus", help="file caching the generated training corpus (read if present, else written)")
+    heads.add_argument("--device", default="cpu", help="where the model generates and the heads train: cpu or cuda")
     heads.set_defaults(run=cmd_train_heads)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")
     bench.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")

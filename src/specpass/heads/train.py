@@ -7,7 +7,7 @@
 2. Teacher: the LM head on h[t] gives the model's own next-token law at every position, kept
    sparse: its top-32 probabilities, renormalised (computed once per position; every head that
    targets the position reuses them). A corpus without states (one loaded from a cache) gets them
-   from one forward per sequence.
+   from batched forwards over the finished sequences.
 3. Training: at every position t (prompt positions included: more data, and the law there is the
    model's all the same), head k (k = 1..K) learns the model's distribution of x[t+k+1] (cross-
    entropy to the sparse teacher at t+k; the loss shown is the KL divergence); Hydra heads read the
@@ -94,10 +94,11 @@ class _FinalNormCapture:
 
 
 @torch.no_grad()
-def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int = 48,
+def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int | None = None,
                     progress: bool = True) -> list[Continuation]:  # fmt: skip
-    """The model's greedy continuations of `prompts` [1, P] each, up to EOS, `batch_size` at a time,
-    with the final normed hidden state of every position but the last (`Continuation.hidden`).
+    """The model's greedy continuations of `prompts` [1, P] each, up to EOS, `batch_size` at a time
+    (default 48 on the CPU, 256 on a GPU), with the final normed hidden state of every position but
+    the last (`Continuation.hidden`).
 
     The states come from the generation's own forwards (prefill, then one token per step), caught on
     the final norm, so the teacher needs no second forward over the corpus. Batches group prompts of
@@ -108,6 +109,7 @@ def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_token
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
+    batch_size = batch_size or (48 if device.type == "cpu" else 256)
     config = model.generation_config
     eos = config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -160,17 +162,13 @@ class Teacher:
 @torch.no_grad()
 def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> Teacher:
     """The corpus's states and the model's sparse law at each. States come from the corpus when it has
-    them (generate_corpus), else from one forward per sequence. The last position's state, which
+    them (generate_corpus), else from batched forwards (_forward_states). The last position's state, which
     generation never computes, is left zero: no training position reads it or its law (a position t
     needs x[t+K+1], so t + K <= L - 2)."""
     device = next(model.parameters()).device
-    states = []
-    for seq in corpus:
-        if seq.hidden is None:
-            states.append(model.model(seq.tokens[None].to(device)).last_hidden_state[0].float())
-        else:
-            states.append(F.pad(seq.hidden.to(device), (0, 0, 0, 1)))  # [L, H]: a zero last row
-    hidden = torch.cat(states)  # [F, H]
+    missing = _forward_states(model, [seq.tokens for seq in corpus if seq.hidden is None])
+    states = [next(missing) if seq.hidden is None else F.pad(seq.hidden.to(device), (0, 0, 0, 1)) for seq in corpus]
+    hidden = torch.cat(states)  # [F, H]: each sequence's [L, H], a zero last row where generation caught them
     probs, ids = [], []
     for part in hidden.split(chunk):
         logits = F.linear(part, model.lm_head.weight.float())  # [chunk, V]
@@ -182,6 +180,27 @@ def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> 
         offsets.append(offsets[-1] + len(seq.tokens))
     tokens = torch.cat([seq.tokens for seq in corpus]).to(device)
     return Teacher(hidden, tokens, torch.cat(probs), torch.cat(ids), offsets[:-1])
+
+
+def _forward_states(model: nn.Module, sequences: list[torch.Tensor], tokens_per_batch: int = 16384):
+    """Yields the final normed states [L, H] of each of `sequences` [L], in order, from forwards over
+    right-padded batches of similar length: causal attention never lets a position see the padding
+    after it, so padding changes no state (batching may round differently, like generate_corpus's)."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    done: dict[int, torch.Tensor] = {}
+    first = 0
+    while first < len(order):
+        last = first + 1
+        while last < len(order) and (last + 1 - first) * len(sequences[order[last]]) <= tokens_per_batch:
+            last += 1
+        chunk = order[first:last]
+        ids = torch.nn.utils.rnn.pad_sequence([sequences[i] for i in chunk], batch_first=True)  # [B, W]
+        states = model.model(ids.to(device)).last_hidden_state.float()  # [B, W, H]
+        done.update({i: states[row, : len(sequences[i])] for row, i in enumerate(chunk)})
+        first = last
+    for i in range(len(sequences)):
+        yield done.pop(i)
 
 
 def _positions(corpus: list[Continuation], offsets: list[int], k: int, generated_only: bool) -> torch.Tensor:
