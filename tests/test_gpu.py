@@ -86,3 +86,29 @@ def test_ort_cuda_ep_with_iobinding_equals_hf_greedy(tmp_path, cuda_graphs):
         out = specpass.generate(program, ids.cuda(), max_new_tokens=40, eos_token_id=[])
         reference = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
         assert torch.equal(out.sequences.cpu(), reference)
+
+
+def test_trainer_on_cuda_lowers_the_loss_and_saves_heads_the_cpu_loads(tmp_path):
+    """`train-heads --device cuda`: the corpus is generated and the heads train on the GPU; the saved
+    heads load on the CPU and draft for the same (CPU) model."""
+    from specpass.heads import load_heads
+    from specpass.heads.train import TrainConfig, generate_corpus, train_heads
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a peaked next-token law (random weights give a near-uniform one)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (1, 6), generator=gen) for _ in range(28)]
+    corpus = generate_corpus(model.cuda(), prompts, max_new_tokens=24, progress=False)
+    assert all(seq.hidden.device.type == "cpu" and len(seq.tokens) > 6 for seq in corpus)
+    config = TrainConfig(kind="hydra", num_heads=3, prompts=24, epochs=6, batch_size=16, lr=3e-3, held_out=4)
+    heads, _, losses = train_heads(model, corpus[:24], corpus[24:], config, out_dir=str(tmp_path), progress=False)
+    assert next(heads.parameters()).device.type == "cuda"
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5
+    loaded, _ = load_heads(str(tmp_path), model.cpu().lm_head)
+    h = torch.randn(2, model.config.hidden_size)
+    tokens = torch.randint(0, 96, (2, 3))
+    with torch.no_grad():
+        expected = heads.cpu()(h, model.model.embed_tokens(tokens))
+        got = loaded(h, model.model.embed_tokens(tokens))
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)  # float16 on disk
