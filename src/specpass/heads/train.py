@@ -1,7 +1,7 @@
 """Self-distillation of draft heads: the model labels its own data, the heads learn its distribution.
 
-1. Corpus: the training prompts (`training_prompts`: standard-library and networkx functions, apart
-   from every evaluation prompt) and the model's greedy continuations of them, generated in batches;
+1. Corpus: the training prompts (`training_prompts`: standard-library, networkx and sympy functions,
+   apart from every evaluation prompt) and the model's greedy continuations of them, generated in batches;
    a hook on the final norm keeps the normed hidden state h[t] of every position from those same
    forwards.
 2. Teacher: the LM head on h[t] gives the model's own next-token law at every position, kept
@@ -47,7 +47,7 @@ TEACHER_TOP = 32  # the teacher's law is kept as its top-32 probabilities (renor
 class TrainConfig:
     kind: str = "medusa"
     num_heads: int = 4
-    prompts: int = 2000  # training prompts: the first ones of training_prompts (5050 under Python 3.11, networkx 3.6)
+    prompts: int = 2000  # the first training_prompts (of 14298 under Python 3.11, networkx 3.6, sympy 1.14)
     max_new_tokens: int = 128
     epochs: int = 2
     batch_size: int = 128  # positions per step
