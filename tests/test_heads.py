@@ -193,6 +193,7 @@ def test_training_prompts_are_apart_from_every_evaluation_prompt():
     packages = [module.split(".")[0] for module, *_ in found]
     assert packages.count("networkx") > 1000 and packages.count("sympy") > 4000
     assert len(packages) - packages.count("networkx") - packages.count("sympy") > 1000  # the standard library
+    assert "sympy" not in packages[: TrainConfig().prompts]  # the CPU recipe's prompts come before sympy's
     assert not [module for module in modules if ".tests" in module or "drawing" in module or module == "sympy.this"]
     training_text = "\n".join(doc for *_, doc in found)
     problems = human_eval_problems()

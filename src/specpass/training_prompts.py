@@ -78,8 +78,8 @@ def package_modules(package: str) -> tuple[str, ...]:
     dependencies) and without `sympy.this` (it prints a poem on import)."""
     root = importlib.import_module(package)
     walked = pkgutil.walk_packages(root.__path__, f"{package}.", onerror=lambda _name: None)
-    skip = (".tests", ".benchmarks", "drawing", f"{package}.this")
-    return tuple(m.name for m in walked if not any(part in m.name for part in skip))
+    skip = (".tests", ".benchmarks", "drawing")
+    return tuple(m.name for m in walked if not any(part in m.name for part in skip) and m.name != f"{package}.this")
 
 
 def training_modules() -> tuple[str, ...]:
