@@ -17,6 +17,14 @@ def tiny_model(arch: str = "llama", seed: int = 0):
     raise ValueError(arch)
 
 
+def peaked_tiny_model():
+    """A random tiny llama whose next-token law is peaked (random weights alone give a near-uniform one)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
 @pytest.fixture(scope="session")
 def default_model():
     import specpass

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import peaked_tiny_model, tiny_model
 
 import specpass
 from specpass import prompts
@@ -94,9 +94,7 @@ def test_trainer_on_cuda_lowers_the_loss_and_saves_heads_the_cpu_loads(tmp_path)
     from specpass.heads import load_heads
     from specpass.heads.train import TrainConfig, generate_corpus, train_heads
 
-    model = tiny_model("llama")
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # a peaked next-token law (random weights give a near-uniform one)
+    model = peaked_tiny_model()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (1, 6), generator=gen) for _ in range(28)]
     corpus = generate_corpus(model.cuda(), prompts, max_new_tokens=24, progress=False)

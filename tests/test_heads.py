@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import peaked_tiny_model, tiny_model
 
 import specpass
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
@@ -17,14 +17,6 @@ from specpass.ir import capture, info, verify
 from specpass.rewrites import DraftHeads, TreeAttention
 
 
-def _peaked_tiny_model():
-    """A random tiny llama whose next-token law is peaked (random weights alone give a near-uniform one)."""
-    model = tiny_model("llama")
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
-
-
 def _corpus(model, count=24, seed=0):
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 96, (1, 6), generator=gen) for _ in range(count)]
@@ -35,7 +27,7 @@ def _corpus(model, count=24, seed=0):
 def trained(tmp_path_factory):
     """Tiny llama with Medusa heads (whole vocabulary: the default 8192 exceeds its 96 tokens) and Hydra
     heads (draft vocabulary of 48 tokens) trained on its own greedy continuations."""
-    model = _peaked_tiny_model()
+    model = peaked_tiny_model()
     corpus, held_out = _corpus(model), _corpus(model, count=4, seed=1)
     out = {}
     for kind, draft_vocab in (("medusa", 8192), ("hydra", 48)):
@@ -238,7 +230,7 @@ def test_corpus_states_are_the_models_own_final_normed_states():
     token per step); they equal one forward over the finished sequence, so the teacher's law does too."""
     from specpass.heads.train import teacher
 
-    model = _peaked_tiny_model()
+    model = peaked_tiny_model()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 96, (1, 3 + i % 7), generator=gen) for i in range(10)]
     corpus = generate_corpus(model, prompts, max_new_tokens=12, batch_size=4, progress=False)
@@ -312,7 +304,7 @@ def test_training_positions_cover_the_prompt_and_accuracy_positions_only_the_gen
     corpus = [Continuation(torch.arange(10), start=3), Continuation(torch.arange(20, 26), start=1)]
     assert _positions(corpus, [0, 10], 2, generated_only=True).tolist() == [3, 4, 5, 6, 11, 12]
     assert _positions(corpus, [0, 10], 2, generated_only=False).tolist() == [0, 1, 2, 3, 4, 5, 6, 10, 11, 12]
-    data = teacher(_peaked_tiny_model(), corpus)
+    data = teacher(peaked_tiny_model(), corpus)
     assert data.offsets == [0, 10] and data.hidden.shape == (16, 32)
     torch.testing.assert_close(data.probs.sum(-1), torch.ones(16))
     h, tokens, probs, ids = _batch(data, torch.tensor([11]), 2)  # sequence 2, t = 1

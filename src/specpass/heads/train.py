@@ -166,7 +166,7 @@ def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> 
     generation never computes, is left zero: no training position reads it or its law (a position t
     needs x[t+K+1], so t + K <= L - 2)."""
     device = next(model.parameters()).device
-    missing = _forward_states(model, [seq.tokens for seq in corpus if seq.hidden is None])
+    missing = iter(_forward_states(model, [seq.tokens for seq in corpus if seq.hidden is None]))
     states = [next(missing) if seq.hidden is None else F.pad(seq.hidden.to(device), (0, 0, 0, 1)) for seq in corpus]
     hidden = torch.cat(states)  # [F, H]: each sequence's [L, H], a zero last row where generation caught them
     probs, ids = [], []
@@ -183,24 +183,24 @@ def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> 
 
 
 def _forward_states(model: nn.Module, sequences: list[torch.Tensor], tokens_per_batch: int = 16384):
-    """Yields the final normed states [L, H] of each of `sequences` [L], in order, from forwards over
+    """The final normed states [L, H] of each of `sequences` [L], in order, from forwards over
     right-padded batches of similar length: causal attention never lets a position see the padding
     after it, so padding changes no state (batching may round differently, like generate_corpus's)."""
     device = next(model.parameters()).device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    done: dict[int, torch.Tensor] = {}
+    out: list[torch.Tensor] = [None] * len(sequences)
     first = 0
     while first < len(order):
-        last = first + 1
+        last = first + 1  # grow the batch while its padded size stays within tokens_per_batch
         while last < len(order) and (last + 1 - first) * len(sequences[order[last]]) <= tokens_per_batch:
             last += 1
         chunk = order[first:last]
         ids = torch.nn.utils.rnn.pad_sequence([sequences[i] for i in chunk], batch_first=True)  # [B, W]
         states = model.model(ids.to(device)).last_hidden_state.float()  # [B, W, H]
-        done.update({i: states[row, : len(sequences[i])] for row, i in enumerate(chunk)})
+        for row, i in enumerate(chunk):
+            out[i] = states[row, : len(sequences[i])]
         first = last
-    for i in range(len(sequences)):
-        yield done.pop(i)
+    return out
 
 
 def _positions(corpus: list[Continuation], offsets: list[int], k: int, generated_only: bool) -> torch.Tensor:
