@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +21,13 @@ class CostCurve:
     seconds: tuple[float, ...]
 
     def latency(self, size: int) -> float:
-        """Piecewise-linear interpolation (linear extrapolation past the last measured size)."""
+        """Piecewise-linear interpolation (linear extrapolation past the last measured size; constant
+        when only one size was measured)."""
         i = bisect.bisect_left(self.sizes, size)
         if i < len(self.sizes) and self.sizes[i] == size:
             return self.seconds[i]
+        if len(self.sizes) == 1:
+            return self.seconds[0]
         i = min(max(i, 1), len(self.sizes) - 1)
         x0, x1, y0, y1 = self.sizes[i - 1], self.sizes[i], self.seconds[i - 1], self.seconds[i]
         return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
@@ -36,6 +39,21 @@ class CostCurve:
         """
         rates = [e / (self.latency(n) + overhead) for n, e in enumerate(expected_tokens, start=1)]
         return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+    @classmethod
+    def lower_envelope(cls, curves: Iterable[CostCurve]) -> CostCurve:
+        """The fastest of several curves measured at the same sizes, size by size."""
+        curves = list(curves)
+        sizes = curves[0].sizes
+        if any(c.sizes != sizes for c in curves):
+            raise ValueError("curves measured at different sizes")
+        return cls(sizes, tuple(min(c.seconds[i] for c in curves) for i in range(len(sizes))))
+
+    def subset(self, sizes: Iterable[int]) -> CostCurve:
+        """The measured points at `sizes` (each one measured)."""
+        index = {n: i for i, n in enumerate(self.sizes)}
+        kept = sorted(set(sizes))
+        return CostCurve(tuple(kept), tuple(self.seconds[index[n]] for n in kept))
 
     def relative(self) -> dict[int, float]:
         return {n: s / self.seconds[0] for n, s in zip(self.sizes, self.seconds)}

@@ -1,4 +1,5 @@
-"""Lowering of a rewritten decode step to something callable: eager FX, oneDNN (CPU) or CUDA graphs."""
+"""Lowering of a rewritten decode step to something callable: eager FX, oneDNN (CPU), both chosen per tree
+size (CPU), or CUDA graphs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.fx
 
 from specpass.backends import onednn
+from specpass.backends.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
 from specpass.ir.roles import DRAFT_MODULE
 
@@ -25,13 +27,15 @@ class EagerStep:
         return self.gm(**{name: inputs[name] for name in self.input_names})
 
 
-def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto` -> cudagraphs on CUDA, onednn on a CPU that has it (float32), else eager."""
+def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The lowerings to build, the last one the default. `auto` -> cudagraphs on CUDA; on a CPU that
+    has oneDNN (float32) both eager and onednn, each call running the one measured faster at its tree
+    size (backends.per_size); else eager."""
     if lowering != "auto":
-        return lowering
+        return (lowering,)
     if device.type == "cuda":
-        return "cudagraphs"
-    return "onednn" if onednn.available(device, dtype) else "eager"
+        return ("cudagraphs",)
+    return ("eager", "onednn") if onednn.available(device, dtype) else ("eager",)
 
 
 def lower(
@@ -39,23 +43,31 @@ def lower(
 ) -> tuple[Callable, EagerStep | None]:
     """(the lowered verify step, the lowered draft graph or None). The draft graph runs eagerly, on
     oneDNN-packed weights on a CPU (sharing the verify step's packed LM head)."""
-    lowering = resolve_lowering(lowering, device, gm.k_cache.dtype)
+    kinds = resolve_lowering(lowering, device, gm.k_cache.dtype)
+    packed: dict = {}  # oneDNN-packed weights, shared by the graphs lowered here
+    steps = {kind: _lower_one(gm, kind, device, max_nodes, cache_size, packed) for kind in kinds}
     draft = getattr(gm, DRAFT_MODULE, None)
+    if draft is not None:
+        draft = EagerStep(onednn.pack_linears(draft, packed), kind="onednn") if packed else EagerStep(draft)
+    if len(steps) == 1:
+        return steps[kinds[0]], draft
+    return FastestPerSize(steps, default=kinds[-1]), draft
+
+
+def _lower_one(gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int,
+               packed: dict) -> Callable:  # fmt: skip
     if lowering == "eager":
-        return EagerStep(gm), EagerStep(draft) if draft is not None else None
+        return EagerStep(gm)
     if lowering == "onednn":
         if not onednn.available(device, gm.k_cache.dtype):
             raise InvalidParameterError(
                 f"lowering 'onednn' needs float32 on a CPU with oneDNN; the model is {gm.k_cache.dtype} on {device}"
             )
-        packed: dict = {}
-        step = EagerStep(onednn.pack_linears(gm, packed), kind="onednn")
-        return step, EagerStep(onednn.pack_linears(draft, packed), kind="onednn") if draft is not None else None
+        return EagerStep(onednn.pack_linears(gm, packed), kind="onednn")
     if lowering == "cudagraphs":
         if device.type != "cuda":
             raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {device}")
         from specpass.backends.cudagraphs import CudaGraphStep
 
-        step = CudaGraphStep(EagerStep(gm), max_nodes=max_nodes, cache_size=cache_size)
-        return step, EagerStep(draft) if draft is not None else None
+        return CudaGraphStep(EagerStep(gm), max_nodes=max_nodes, cache_size=cache_size)
     raise InvalidParameterError(f"unknown lowering {lowering!r}")

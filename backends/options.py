@@ -25,8 +25,9 @@ def default_pipeline() -> Pipeline:
 @dataclass(frozen=True)
 class CompileOptions:
     """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
-    lowering: eager, onednn (float32 on CPU), cudagraphs (CUDA) or auto (cudagraphs on CUDA, onednn on
-    a CPU that has it, else eager);
+    lowering: eager, onednn (float32 on CPU), cudagraphs (CUDA) or auto (cudagraphs on CUDA; on a CPU
+    with oneDNN both eager and onednn, each tree size run on the one its measured cost curve says is
+    faster; else eager);
     cache_size: static KV-cache slots (prompt + generated tokens + one tree);
     budget: "cost" (each step verifies the prefix of the drafted tree that maximises expected tokens
     per second on the measured cost curve) or an int N (always the first N nodes: a fixed budget,

@@ -18,12 +18,14 @@ from specpass.backends import cost
 from specpass.backends.compile import specpass_backend
 from specpass.backends.kv import compact
 from specpass.backends.options import CompileOptions, check_budget
+from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import Drafter
 from specpass.heads.modules import HeadsConfig
 from specpass.ir import capture
 from specpass.rewrites.draft_heads import DRAFT_META
 
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,11 @@ class DecodeProgram(ABC):
             if sizes[-1] != largest:
                 sizes.append(largest)
             kv_len = min(max(256, 2 * largest), self.cache_size)
-            self._cost = cost.measure(self.forward, self.device, sizes, kv_len=kv_len)
+            self._cost = self.measure_cost(sizes, kv_len)
         return self._cost
+
+    def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
+        return cost.measure(self.forward, self.device, sizes, kv_len=kv_len)
 
 
 class SpeculativeProgram(DecodeProgram):
@@ -119,6 +124,21 @@ class SpeculativeProgram(DecodeProgram):
             inputs["cache_slots"] = torch.arange(start, start + t, device=self.device)
         logits, hidden = self.step(**inputs)[:2]
         return logits[0], hidden[0]
+
+    def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
+        """With several lowerings (`auto` on a CPU): each one's curve, then each tree size runs on the
+        fastest, and the program's curve is their lower envelope. The lowerings' curves also cover a few
+        sizes past the largest tree, so the prefill (T = prompt length) runs on the kernel that wins at
+        large T."""
+        run = self.step.run
+        if not isinstance(run, FastestPerSize):
+            return super().measure_cost(sizes, kv_len)
+        measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= kv_len})
+        curves = {}
+        for kind in run.kinds:
+            with run.pinned(kind):
+                curves[kind] = super().measure_cost(measured, kv_len)
+        return run.choose(curves).subset(sizes)
 
     def commit(self, start: int, path: Sequence[int]) -> None:
         moved = [(start + node, start + i) for i, node in enumerate(path) if node != i]

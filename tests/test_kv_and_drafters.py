@@ -1,5 +1,6 @@
 import time
 
+import pytest
 import torch
 
 from specpass.backends.cost import CostCurve, measure
@@ -68,6 +69,17 @@ def test_cost_curve_picks_the_size_with_most_tokens_per_second():
     assert curve.best_size([1.0, 1.5, 1.9, 2.2, 2.4, 2.5, 2.6, 2.7]) == 4
     assert curve.best_size([1.0, 1.05, 1.06, 1.07]) == 1
     assert CostCurve((1, 64), (1.0, 1.0)).best_size([1.0, 2.0, 3.0]) == 3
+
+
+def test_cost_curve_envelope_and_a_single_measured_size():
+    eager = CostCurve((1, 4, 16), (1.0, 1.6, 2.4))
+    onednn = CostCurve((1, 4, 16), (1.2, 1.3, 1.8))
+    assert CostCurve.lower_envelope([eager, onednn]) == CostCurve((1, 4, 16), (1.0, 1.3, 1.8))
+    with pytest.raises(ValueError, match="different sizes"):
+        CostCurve.lower_envelope([eager, CostCurve((1, 8), (1.0, 2.0))])
+    assert onednn.subset([16, 1]) == CostCurve((1, 16), (1.2, 1.8))
+    one = CostCurve((1,), (0.5,))
+    assert one.latency(1) == one.latency(200) == 0.5  # nothing to extrapolate from: constant
 
 
 def test_cost_curve_times_fast_steps_until_enough_time_has_passed():

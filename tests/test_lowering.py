@@ -7,7 +7,9 @@ from torch import nn
 
 import specpass
 from specpass.backends import onednn
+from specpass.backends.cost import CostCurve
 from specpass.backends.lowering import lower, resolve_lowering
+from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import DraftTree
 from specpass.ir import capture, info
 
@@ -62,11 +64,60 @@ def test_onednn_graph_replaces_every_linear_and_keeps_annotations():
     assert lowered.k_cache is gm.k_cache  # the KV cache is shared, not copied
 
 
+@needs_onednn
+def test_auto_lowering_runs_each_tree_size_on_the_kernel_measured_faster():
+    _, gm = _tree_step("llama")
+    step, _ = lower(gm, "auto", torch.device("cpu"), 16, 128)
+    assert isinstance(step, FastestPerSize) and step.kinds == ("eager", "onednn")
+    assert step.kind_for(1) == step.kind_for(30) == "onednn"  # nothing measured yet: the default
+    # As on an AMX Xeon: eager cheaper for small T, oneDNN from T = 16 (prefill of 30 tokens on oneDNN).
+    envelope = step.choose({"eager": CostCurve((1, 8, 16), (1.0, 1.5, 3.0)),
+                            "onednn": CostCurve((1, 8, 16), (1.2, 1.6, 2.0))})  # fmt: skip
+    assert envelope == CostCurve((1, 8, 16), (1.0, 1.5, 2.0))
+    assert [step.kind_for(t) for t in (1, 5, 8, 16, 30)] == ["eager", "eager", "eager", "onednn", "onednn"]
+    got = _run_prefix_and_tree(step)
+
+    # The same calls made by hand: the prefill on the oneDNN step, the 5-node tree on the eager step.
+    gm.k_cache.zero_()
+    gm.v_cache.zero_()
+    by_hand = {"eager": step.steps["eager"], "onednn": step.steps["onednn"]}
+    calls = []
+
+    def routed(**inputs):
+        kind = "onednn" if inputs["input_ids"].shape[1] == 30 else "eager"
+        calls.append(kind)
+        return by_hand[kind](**inputs)
+
+    assert torch.equal(got, _run_prefix_and_tree(routed)) and calls == ["onednn", "eager"]
+    with step.pinned("onednn"):
+        assert step.kind_for(1) == "onednn"
+    assert step.kind_for(1) == "eager"
+
+
+@needs_onednn
+def test_program_measures_both_cpu_lowerings_and_keeps_the_envelope():
+    model = tiny_model()
+    program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(2))})
+    run = program.step.run
+    curve = program.cost_curve
+    assert set(run.curves) == {"eager", "onednn"}
+    assert curve.sizes == (1, 2)  # the program's tree sizes
+    for c in run.curves.values():  # the lowerings' curves go past them, for the prefill's choice
+        assert c.sizes == (1, 2, 4, 16, 64)
+    for i in range(len(curve.sizes)):
+        assert curve.seconds[i] == min(c.seconds[i] for c in run.curves.values())
+    ids = torch.tensor([[3, 5, 7, 9]])
+    out = specpass.generate(program, ids, 6).sequences
+    reference = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, reference)
+
+
 def test_auto_lowering_and_its_refusals():
     cpu = torch.device("cpu")
-    expected = "onednn" if onednn.available(cpu, torch.float32) else "eager"
+    expected = ("eager", "onednn") if onednn.available(cpu, torch.float32) else ("eager",)
     assert resolve_lowering("auto", cpu, torch.float32) == expected
-    assert resolve_lowering("auto", cpu, torch.bfloat16) == "eager"
+    assert resolve_lowering("auto", cpu, torch.bfloat16) == ("eager",)
+    assert resolve_lowering("onednn", cpu, torch.float32) == ("onednn",)
     model = tiny_model().to(torch.bfloat16)
     gm = capture(model, cache_size=64)
     with pytest.raises(specpass.InvalidParameterError, match="'onednn' needs float32"):

@@ -42,7 +42,8 @@ SPECPASS_ROWS = {
 }
 NOTES = (
     "tau = new tokens / target forwards, prefill included, for every method. specpass rows use the default "
-    "lowering (onednn on a CPU, cudagraphs on a GPU; specpass_onnxrt_* run the ONNX export on ONNX Runtime: "
+    "lowering (on a CPU eager or onednn per tree size, whichever its measured cost curve says is faster; "
+    "cudagraphs on a GPU; specpass_onnxrt_* run the ONNX export on ONNX Runtime: "
     "CPU EP, or CUDA EP with IOBinding and CUDA graphs) and choose each step's tree size from the measured cost "
     "curve (up to 64 nodes) unless the row's name ends in _64 (the full 64-node tree every step). Token "
     "Recycling's table carries over from prompt to prompt within a set (the paper's hot start); each set "
@@ -255,16 +256,7 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
                 rows[name]["outputs_differing_from_greedy"] = mismatches[name]
         results[set_name] = rows
 
-    curves = {}
-    for lowering in ("eager", "cudagraphs" if device.type == "cuda" else "onednn"):
-        try:
-            options = {"lowering": lowering}
-            curve = specpass.compile_program(torch.compile(model, backend="specpass", options=options)).cost_curve
-        except specpass.SpecpassError as exc:
-            skipped[f"cost_curve_{lowering}"] = str(exc)
-            continue
-        curves[lowering] = {"tree_size": list(curve.sizes), "seconds": [round(s, 5) for s in curve.seconds],
-                            "relative_to_one_token": {str(k): round(v, 3) for k, v in curve.relative().items()}}  # fmt: skip
+    curves, kernels = _cost_curves(model, device, skipped)
     label = device_label(device)
     report = {
         **run_identity(device),
@@ -276,6 +268,7 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
         "skipped": skipped,
         "results": results,
         "cost_curves": curves,
+        "auto_lowering_per_tree_size": kernels,
     }
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{_slug(label)}.json")
@@ -285,6 +278,35 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
     _print(report)
     print(f"wrote {path}")
     return report
+
+
+def _cost_curves(model, device: torch.device, skipped: dict) -> tuple[dict, dict]:
+    """The cost curve of each lowering, and which lowering `auto` runs at each tree size.
+
+    On a CPU `auto` measures eager and oneDNN and runs each size on the faster (backends.per_size):
+    its curve is their lower envelope. On a GPU: eager and CUDA graphs."""
+    import specpass
+    from specpass.backends.per_size import FastestPerSize
+
+    measured, kernels = {}, {}
+    for lowering in ("eager", "cudagraphs") if device.type == "cuda" else ("auto",):
+        try:
+            program = specpass.compile_program(torch.compile(model, backend="specpass", options={"lowering": lowering}))
+            curve = program.cost_curve
+        except specpass.SpecpassError as exc:
+            skipped[f"cost_curve_{lowering}"] = str(exc)
+            continue
+        run = program.step.run
+        if isinstance(run, FastestPerSize):
+            measured.update(run.curves)
+            kernels = {str(n): run.kind_for(n) for n in curve.sizes}
+        measured[lowering] = curve
+    curves = {
+        name: {"tree_size": list(c.sizes), "seconds": [round(s, 5) for s in c.seconds],
+               "relative_to_one_token": {str(k): round(v, 3) for k, v in c.relative().items()}}  # fmt: skip
+        for name, c in measured.items()
+    }
+    return curves, kernels
 
 
 def _print(report: dict) -> None:
@@ -309,7 +331,9 @@ def _plot(report: dict, path: str) -> None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for lowering, curve in report["cost_curves"].items():
-        ax1.plot(curve["tree_size"], [1000 * s for s in curve["seconds"]], marker="o", label=lowering)
+        envelope = lowering == "auto"  # the lower envelope of the lowerings it chooses from
+        ax1.plot(curve["tree_size"], [1000 * s for s in curve["seconds"]], marker="." if envelope else "o",
+                 linestyle="--" if envelope else "-", label="auto (fastest per size)" if envelope else lowering)  # fmt: skip
     ax1.set_xlabel("tokens verified per target forward (T)")
     ax1.set_ylabel("target forward latency (ms)")
     ax1.legend()
