@@ -5,6 +5,8 @@ import torch
 
 from specpass.backends.cost import CostCurve, measure
 from specpass.backends.kv import compact
+from specpass.drafters.heads import HeadStats
+from specpass.drafters.stats import ProbabilityCalibration
 from specpass.drafters import (
     Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, Verified, accept_greedy, build_tree, expected_tokens,
 )  # fmt: skip
@@ -80,6 +82,31 @@ def test_cost_curve_envelope_and_a_single_measured_size():
     assert onednn.subset([16, 1]) == CostCurve((1, 16), (1.2, 1.8))
     one = CostCurve((1,), (0.5,))
     assert one.latency(1) == one.latency(200) == 0.5  # nothing to extrapolate from: constant
+
+
+def test_probability_calibration_learns_how_often_each_decile_is_accepted():
+    cal = ProbabilityCalibration(bins=10, strength=2.0)
+    assert cal("head 0", 0.5) == 0.5  # nothing seen yet: the drafter's own probability
+    for i in range(100):  # overconfident: drafts at p = 0.5 accepted a quarter of the time
+        cal.record("head 0", 0.5, accepted=i % 4 == 0)
+    ratio = (25 + 2) / (50 + 2)
+    assert abs(cal("head 0", 0.5) - 0.5 * ratio) < 1e-12
+    assert abs(cal("head 0", 0.55) - 0.55 * ratio) < 1e-12  # the same decile, order kept within it
+    assert cal("head 0", 0.9) == 0.9 and cal("head 1", 0.5) == 0.5  # other deciles, other keys
+    for _ in range(20):  # underconfident: drafts at p = 0.2 always accepted
+        cal.record("head 1", 0.2, accepted=True)
+    assert abs(cal("head 1", 0.2) - 0.2 * (20 + 2) / (4 + 2)) < 1e-12
+    assert cal("head 1", 0.29) == 1.0  # a probability, capped at 1
+    cal.record("head 1", 1.0, accepted=True)  # p = 1 falls in the last decile
+    assert cal("head 1", 0.95) == 0.95
+
+
+def test_head_stats_feed_both_trees():
+    stats = HeadStats({(1, 0): 0.5})
+    stats.record((1, 0, 0.8), accepted=False)
+    assert stats.rate((1, 0)) == (0 + 0.5 * 8) / (1 + 8)  # the static tree's rate per (depth, rank)
+    assert stats.calibration(1, 0.8) == 0.8 * 2 / (0.8 + 2)  # the dynamic tree's calibration per depth
+    assert stats.calibration(2, 0.8) == 0.8
 
 
 def test_cost_curve_times_fast_steps_until_enough_time_has_passed():

@@ -9,8 +9,10 @@ depth d.
 * Hydra: depth by depth, head d runs on the `beam` most probable depth d-1 nodes with their path's
   tokens, one batched draft call per depth.
 
-Tree: "dynamic" scores a candidate with the head's softmax probability, so the tree grows by
-cumulative draft probability (DySpec / EAGLE-2 style); "static" scores it with the head's measured
+Tree: "dynamic" scores a candidate with the head's softmax probability, calibrated per head during
+the generation against what the target accepted (`stats.ProbabilityCalibration`), so the tree grows
+by cumulative draft probability (DySpec / EAGLE-2 style) and competes with the other drafters'
+estimates on one scale; "static" scores it with the head's measured
 accuracy at that rank (heads.json), so every step's tree has the same shape: the best-first builder
 with fixed probabilities builds the sparse tree of largest expected accepted length for each budget
 (`heads.trees.optimal_static_tree`). Both compete with other drafters' candidates in one tree.
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specpass.drafters.base import Drafter, DraftModel, DraftSession, Verified, check_params
-from specpass.drafters.stats import AcceptanceStats
+from specpass.drafters.stats import AcceptanceStats, ProbabilityCalibration
 from specpass.drafters.tree import DraftTree
 from specpass.errors import InvalidParameterError
 
@@ -62,7 +64,7 @@ class HeadsSession(DraftSession):
         self.heads = draft.config
         accuracy = self.heads.accuracy
         priors = {(d, r): accuracy[d][r] for d in range(len(accuracy)) for r in range(len(accuracy[d]))}
-        self.stats = AcceptanceStats(priors, default=0.01)
+        self.stats = HeadStats(priors)
         self.hidden = hidden  # [H] of the token before the root
         self.root = root
 
@@ -77,12 +79,14 @@ class HeadsSession(DraftSession):
             return _Candidates(self._hydra(), (self.root,), by_path=True)
         return _Candidates(self._medusa(), (0,), by_path=False)
 
-    def _scored(self, depth: int, tokens: list[int], probs: list[float]) -> list[tuple[int, float, tuple[int, int]]]:
-        """One head's ranked tokens as candidates (token, score, stats key); the score is the draft
-        probability (dynamic tree) or the measured acceptance rate of that depth and rank (static)."""
-        dynamic = self.config.tree == "dynamic"
-        return [(t, p if dynamic else self.stats.rate((depth, r)), (depth, r))
-                for r, (t, p) in enumerate(zip(tokens, probs))]  # fmt: skip
+    def _scored(self, depth: int, tokens: list[int], probs: list[float]) -> list[tuple[int, float, tuple]]:
+        """One head's ranked tokens as candidates (token, score, stats key); the score is the calibrated
+        draft probability (dynamic tree) or the measured acceptance rate of that depth and rank (static)."""
+        if self.config.tree == "dynamic":
+            score = [self.stats.calibration(depth, p) for p in probs]
+        else:
+            score = [self.stats.rate((depth, r)) for r in range(len(tokens))]
+        return [(t, s, (depth, r, p)) for r, (t, s, p) in enumerate(zip(tokens, score, probs))]
 
     def _top(self, tokens: torch.Tensor, heads: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k tokens and draft probabilities of row i's head heads[i] (tokens [N, K]: its drafted prefix)."""
@@ -116,6 +120,20 @@ class HeadsSession(DraftSession):
                 scored += [((*path, t), score * s) for t, s, _ in out[path]]
             frontier = sorted(scored, key=lambda item: -item[1])[: self.config.beam]
         return out
+
+
+class HeadStats(AcceptanceStats):
+    """What the heads learn from verification: acceptance per (depth, rank), the static tree's scores,
+    and the calibration of each head's probabilities, the dynamic tree's. Keys: (depth, rank, prob)."""
+
+    def __init__(self, priors: dict[tuple[int, int], float]):
+        super().__init__(priors, default=0.01)
+        self.calibration = ProbabilityCalibration()
+
+    def record(self, key: tuple[int, int, float], accepted: bool) -> None:
+        depth, rank, prob = key
+        super().record((depth, rank), accepted)
+        self.calibration.record(depth, prob, accepted)
 
 
 class _Candidates:
