@@ -12,6 +12,7 @@ Writes `<out>/<device>.json` and `<out>/<device>.png`.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -92,6 +93,13 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _cache_kwarg(model) -> str:
+    """`generate`'s name for a cache object: `cache` from transformers 5.2x (`past_key_values` warns
+    there), `past_key_values` before (5.17, the GPU machine's)."""
+    parameters = inspect.signature(model.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def _hf_runner(model, counter, device, name, compiled_forward):
     kwargs = {"do_sample": False}
     if name == "hf_prompt_lookup":
@@ -104,7 +112,7 @@ def _hf_runner(model, counter, device, name, compiled_forward):
         if name == "hf_static_compile":
             from transformers import StaticCache
 
-            cache["past_key_values"] = StaticCache(config=model.config, max_cache_len=STATIC_CACHE_LEN)
+            cache[_cache_kwarg(model)] = StaticCache(config=model.config, max_cache_len=STATIC_CACHE_LEN)
         original = model.forward
         if compiled_forward is not None:
             model.forward = compiled_forward
