@@ -33,7 +33,6 @@ class FastestPerSize:
         self.default = default
         self.input_names = self.steps[default].input_names
         self._curves: dict[str, CostCurve] = {}
-        self._choice: dict[int, str] = {}  # T -> lowering, filled lazily from the curves
         self._pinned: str | None = None
 
     @property
@@ -59,7 +58,6 @@ class FastestPerSize:
         if set(curves) != set(self.steps):
             raise ValueError(f"need one curve per lowering {sorted(self.steps)}, got {sorted(curves)}")
         self._curves = dict(curves)
-        self._choice = {}
         return CostCurve.lower_envelope(self._curves.values())
 
     def kind_for(self, size: int) -> str:
@@ -68,9 +66,7 @@ class FastestPerSize:
             return self._pinned
         if not self._curves:
             return self.default
-        if size not in self._choice:
-            self._choice[size] = min(self._curves, key=lambda kind: self._curves[kind].latency(size))
-        return self._choice[size]
+        return min(self._curves, key=lambda kind: self._curves[kind].latency(size))
 
     def __call__(self, **inputs):
         size = inputs["input_ids"].shape[-1]  # input_ids [1, T]
