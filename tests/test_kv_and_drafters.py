@@ -69,16 +69,15 @@ class _Listed:
         return self.table.get(state, [])
 
 
-def test_agreeing_proposals_share_a_node_with_their_noisy_or():
+def test_agreeing_proposals_share_a_node_and_all_continue_from_it():
     a = _Listed({None: [(7, 0.5, "a7", "a")], "a": [(8, 0.5, "a8", "a8")]})
-    b = _Listed({None: [(7, 0.4, "b7", "b"), (9, 0.6, "b9", "b9")], "b": [(10, 0.9, "b10", "b10")]})
+    b = _Listed({None: [(7, 0.4, "b7", "b"), (9, 0.4, "b9", "b9")], "b": [(10, 0.9, "b10", "b10")]})
     tree = build_tree(1, [a, b], max_nodes=5, max_depth=3)
-    # 7: 1 - 0.5 * 0.6 = 0.7 beats 9 (0.6), and both sources continue from it: 10 (0.7 * 0.9), then 9, then 8
+    # 7 (its likelier proposal, 0.5), then b continues under it with 10 (0.5 * 0.9), then 9, then a with 8
     assert tree.tokens == (1, 7, 10, 9, 8) and tree.parents == (-1, 0, 1, 0, 1)
-    assert tree.scores == pytest.approx((1.0, 0.7, 0.63, 0.6, 0.35))
+    assert tree.scores == pytest.approx((1.0, 0.5, 0.45, 0.4, 0.25))
     assert tree.origins == ((), ((0, "a7"), (1, "b7")), ((1, "b10"),), ((1, "b9"),), ((0, "a8"),))
-    alone = build_tree(1, [a], max_nodes=5, max_depth=3)
-    assert alone.scores == pytest.approx((1.0, 0.5, 0.25))  # a single proposal keeps its own probability
+    assert build_tree(1, [a, b], max_nodes=5, max_depth=0).tokens == (1,)
 
 
 def test_every_source_that_proposed_an_accepted_node_learns_from_it():
