@@ -25,7 +25,7 @@ def test_cuda_graph_step_equals_eager_step():
         step(input_ids=prompt, positions=torch.arange(40, device="cuda")[None], kv_len=40,
              tree_mask=torch.ones(40, 40, dtype=torch.bool, device="cuda").tril()[None],
              cache_slots=torch.arange(40, device="cuda"))  # fmt: skip
-    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, ((),) * 5)
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
     inputs = dict(input_ids=torch.tensor([tree.tokens], device="cuda"),
                   positions=(40 + torch.tensor(tree.depths(), device="cuda"))[None], kv_len=45,
                   tree_mask=tree.ancestor_mask().cuda()[None], cache_slots=torch.arange(40, 45, device="cuda"))  # fmt: skip

@@ -27,7 +27,7 @@ def test_compact_moves_the_accepted_path_into_place():
 
 
 def test_accept_greedy_follows_the_targets_choices():
-    tree = DraftTree((10, 11, 12, 13, 14), (-1, 0, 0, 2, 3), (1.0,) * 5, ((),) * 5)
+    tree = DraftTree((10, 11, 12, 13, 14), (-1, 0, 0, 2, 3), (1.0,) * 5, (None,) * 5)
     assert accept_greedy(tree, [12, 0, 13, 99, 0]) == [0, 2, 3]
     assert accept_greedy(tree, [7, 0, 0, 0, 0]) == [0]
     assert accept_greedy(tree, [12, 0, 13, 14, 1]) == [0, 2, 3, 4]
@@ -54,44 +54,6 @@ def test_built_tree_prefixes_are_trees_and_merge_duplicates():
         tree.prefix(n)  # every prefix is a valid tree (parents precede children)
     exp = expected_tokens(tree)
     assert exp[0] == 1.0 and all(b >= a for a, b in zip(exp, exp[1:]))
-
-
-class _Listed:
-    """A candidate source from a table: state -> [(token, probability, key, next state)]; the root's state is None."""
-
-    def __init__(self, table):
-        self.table = table
-
-    def root_candidates(self):
-        return self.table.get(None, [])
-
-    def child_candidates(self, token, state):
-        return self.table.get(state, [])
-
-
-def test_agreeing_proposals_share_a_node_and_all_continue_from_it():
-    a = _Listed({None: [(7, 0.5, "a7", "a")], "a": [(8, 0.5, "a8", "a8")]})
-    b = _Listed({None: [(7, 0.4, "b7", "b"), (9, 0.4, "b9", "b9")], "b": [(10, 0.9, "b10", "b10")]})
-    tree = build_tree(1, [a, b], max_nodes=5, max_depth=3)
-    # 7 (its likelier proposal, 0.5), then b continues under it with 10 (0.5 * 0.9), then 9, then a with 8
-    assert tree.tokens == (1, 7, 10, 9, 8) and tree.parents == (-1, 0, 1, 0, 1)
-    assert tree.scores == pytest.approx((1.0, 0.5, 0.45, 0.4, 0.25))
-    assert tree.origins == ((), ((0, "a7"), (1, "b7")), ((1, "b10"),), ((1, "b9"),), ((0, "a8"),))
-    assert build_tree(1, [a, b], max_nodes=5, max_depth=0).tokens == (1,)
-
-
-def test_every_source_that_proposed_an_accepted_node_learns_from_it():
-    tokens = [1, 2, 3, 9, 1, 2, 3]
-    topk = torch.tensor([[2, 5], [3, 6], [9, 4], [1, 1], [2, 0], [3, 0], [9, 8]])
-    sessions = Combined(PromptLookup(), TokenRecycling(top_k=2)).sessions(tokens, _verified(topk))
-    drafting = Drafting(sessions)
-    tree = drafting.draft(tokens, max_nodes=2, max_depth=1)
-    assert tree.tokens == (3, 9) and {s for s, _ in tree.origins[1]} == {0, 1}  # both drafters proposed 9
-    assert all(not s.stats.tried for s in sessions)
-    drafting.observe(tree, _verified(torch.tensor([[9, 0], [1, 0]])), [0, 1], tokens)
-    for source, key in tree.origins[1]:  # token recycling proposed 9 twice: as 3's and as (2, 3)'s successor
-        assert sessions[source].stats.tried[key] == 1 and sessions[source].stats.accepted[key] == 1
-    assert sum(sum(s.stats.tried.values()) for s in sessions) == len(tree.origins[1])
 
 
 def test_token_recycling_learns_successors_from_verify_steps():

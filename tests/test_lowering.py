@@ -30,7 +30,7 @@ def _run_prefix_and_tree(step):
     prompt = torch.randint(0, 96, (1, 30))
     step(input_ids=prompt, positions=torch.arange(30)[None], kv_len=30,
          tree_mask=torch.ones(30, 30, dtype=torch.bool).tril()[None], cache_slots=torch.arange(30))  # fmt: skip
-    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, ((),) * 5)
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
     logits, _ = step(input_ids=torch.tensor([tree.tokens]), positions=(30 + torch.tensor(tree.depths()))[None],
                      kv_len=35, tree_mask=tree.ancestor_mask()[None], cache_slots=torch.arange(30, 35))  # fmt: skip
     return logits

@@ -58,7 +58,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
     model, result = tiny_exports["llama"]
     program = specpass.load_onnx(result.directory, cache_size=128)
     n = _prefill(program, torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)))
-    tree = DraftTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 3, 2), (1.0,) * 6, ((),) * 6)
+    tree = DraftTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 3, 2), (1.0,) * 6, (None,) * 6)
     depths = torch.tensor(tree.depths())
     tree_logits, _ = program.forward(torch.tensor(tree.tokens), n + depths, tree.ancestor_mask(), n)
     for leaf in (4, 5):
@@ -77,7 +77,7 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     program = specpass.load_onnx(result.directory, cache_size=128)
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
     n = _prefill(program, prompt)
-    tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 2), (1.0,) * 4, ((),) * 4)  # node 1 is rejected
+    tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 2), (1.0,) * 4, (None,) * 4)  # node 1 is rejected
     program.forward(torch.tensor(tree.tokens), n + torch.tensor(tree.depths()), tree.ancestor_mask(), n)
     program.commit(n, [0, 2, 3])
     accepted = torch.cat([prompt, torch.tensor([5, 7, 8])])

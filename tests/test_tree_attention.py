@@ -26,7 +26,7 @@ def brute_force_mask(parents, prefix: int, kv_len: int) -> torch.Tensor:
 
 
 def test_tree_mask_matches_brute_force():
-    tree = DraftTree(tuple(range(7)), PARENTS, (1.0,) * 7, ((),) * 7)
+    tree = DraftTree(tuple(range(7)), PARENTS, (1.0,) * 7, (None,) * 7)
     prefix, kv_len = 5, 16
     mask = tree_attention_mask(tree.ancestor_mask()[None], torch.arange(prefix, prefix + 7), kv_len)
     assert mask.shape == (1, 1, 7, kv_len)
@@ -78,7 +78,7 @@ def test_invalid_parameters():
 
 
 def _run_tree(tree_gm, tokens, parents, prefix):
-    t = DraftTree(tuple(tokens), tuple(parents), (1.0,) * len(tokens), ((),) * len(tokens))
+    t = DraftTree(tuple(tokens), tuple(parents), (1.0,) * len(tokens), (None,) * len(tokens))
     depths = torch.tensor(t.depths())
     logits, _ = tree_gm(
         torch.tensor([tokens]), (prefix + depths)[None], prefix + len(tokens), t.ancestor_mask()[None],

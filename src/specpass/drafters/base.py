@@ -113,9 +113,10 @@ class Drafting:
     def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
         on_path = set(path)
         for i in range(1, len(tree)):
-            if tree.parents[i] in on_path:
-                for source, key in tree.origins[i]:
-                    self.sessions[source].stats.record(key, i in on_path)
+            origin = tree.origins[i]
+            if origin is not None and tree.parents[i] in on_path:
+                source, key = origin
+                self.sessions[source].stats.record(key, i in on_path)
         for session in self.sessions:
             session.observe(tree, verified, path, tokens)
 

@@ -22,7 +22,7 @@ class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]  # parents[0] == -1
     scores: tuple[float, ...]  # estimated probability that the node is accepted (root: 1.0)
-    origins: tuple[tuple[tuple[int, Hashable], ...], ...]  # per node, every proposal's (source index, stats key)
+    origins: tuple[tuple[int, Hashable] | None, ...]  # (source index, source key) that proposed each node
 
     def __post_init__(self):
         if not self.tokens or self.parents[0] != -1:
@@ -59,7 +59,7 @@ class DraftTree:
     @staticmethod
     def chain(tokens: Sequence[int]) -> DraftTree:
         n = len(tokens)
-        return DraftTree(tuple(tokens), tuple(range(-1, n - 1)), (1.0,) * n, ((),) * n)
+        return DraftTree(tuple(tokens), tuple(range(-1, n - 1)), (1.0,) * n, (None,) * n)
 
 
 class CandidateSource(Protocol):
@@ -75,64 +75,43 @@ class CandidateSource(Protocol):
 def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, max_depth: int) -> DraftTree:
     """Best-first tree: repeatedly add the candidate with the highest path probability.
 
-    A candidate's score is its parent's score times its probability given the parent. Proposals of
-    the same token under the same parent (from several sources, or from one source by several routes:
-    two prompt-lookup branches, a token recycled in two contexts) are one candidate with the highest
-    of their probabilities. Every proposal of a node is made when its parent joins the tree (the
-    root's before any), so all of them are known when the node joins: the node records every proposal
-    as an origin (each proposer then learns from the outcome) and is expanded once per source and
-    state. Candidate states must be hashable.
+    A candidate's score is its parent's score times the source's probability; two sources proposing
+    the same token under the same parent share one node and both continue from it. Candidate
+    states must be hashable (a node is expanded once per source and state).
 
-    Measured against combining agreeing proposals (CPU, 64-node trees, 24 HumanEval prompts 100-123):
-    the noisy-or 1 - prod(1 - p) orders the tree better (τ 3.99 against 3.97 training-free, 4.84
-    against 4.75 with Hydra heads), but it overrates agreement between correlated proposers, so the
-    cost-curve budget grows the trees past what pays: 5-10% fewer tokens/s in the benchmark. The
-    noisy-or rescaled by its own running calibration was no faster than the highest probability.
+    The node keeps the first (likelier) proposal's score and origin. A noisy-or of the agreeing
+    proposals, or crediting every proposer, made the scores overconfident on the CPU: the cost
+    budget then grew trees past what pays (README, the decode loop).
     """
-    tokens, parents, scores, origins, depths = [root], [-1], [1.0], [()], [0]
+    tokens, parents, scores, origins, depths = [root], [-1], [1.0], [None], [0]
     children: dict[tuple[int, int], int] = {}
     expanded: set[tuple[int, int, object]] = set()  # (node, source, state) already pushed
-    pending: dict[tuple[int, int], list] = {}  # (parent, token) -> [best probability, [(source, key, state)]]
-    heap: list = []  # (-score, tie, parent, token, probability): entries below the best are stale
+    heap: list = []
     tie = itertools.count()
 
-    def expand(node: int, s: int, state) -> None:
-        if (node, s, state) in expanded or depths[node] >= max_depth:
+    def push(parent: int, source: int, candidates) -> None:
+        if depths[parent] >= max_depth:
             return
-        expanded.add((node, s, state))
-        for token, prob, key, child_state in sources[s].child_candidates(tokens[node], state):
-            propose(node, token, prob, s, key, child_state)
+        for token, prob, key, state in candidates:
+            if prob > 0.0:
+                heapq.heappush(heap, (-scores[parent] * prob, next(tie), parent, token, source, key, state))
 
-    def propose(parent: int, token: int, prob: float, s: int, key, state) -> None:
-        if prob <= 0.0:
-            return
-        if (parent, token) in children:  # the docstring's invariant: every proposal precedes its node
-            raise AssertionError(f"a proposal of token {token} under node {parent} after that node joined the tree")
-        entry = pending.setdefault((parent, token), [0.0, []])
-        entry[1].append((s, key, state))
-        if prob > entry[0]:
-            entry[0] = prob
-            heapq.heappush(heap, (-scores[parent] * prob, next(tie), parent, token, prob))
-
-    if max_depth > 0:
-        for s, source in enumerate(sources):
-            for token, prob, key, state in source.root_candidates():
-                propose(0, token, prob, s, key, state)
+    for s, src in enumerate(sources):
+        push(0, s, src.root_candidates())
     while heap and len(tokens) < max_nodes:
-        neg_score, _, parent, token, prob = heapq.heappop(heap)
-        entry = pending.get((parent, token))
-        if entry is None or entry[0] != prob:
-            continue  # superseded by a likelier proposal of the same token (or already placed)
-        del pending[parent, token]
-        node = len(tokens)
-        children[parent, token] = node
-        tokens.append(token)
-        parents.append(parent)
-        scores.append(-neg_score)
-        origins.append(tuple((s, key) for s, key, _ in entry[1]))
-        depths.append(depths[parent] + 1)
-        for s, _, state in entry[1]:
-            expand(node, s, state)
+        neg_score, _, parent, token, s, key, state = heapq.heappop(heap)
+        node = children.get((parent, token))
+        if node is None:
+            node = len(tokens)
+            children[parent, token] = node
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(-neg_score)
+            origins.append((s, key))
+            depths.append(depths[parent] + 1)
+        if (node, s, state) not in expanded:
+            expanded.add((node, s, state))
+            push(node, s, sources[s].child_candidates(token, state))
     return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(origins))
 
 
