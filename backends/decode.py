@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specpass.backends.program import DecodeProgram
+from specpass.backends.sampling import TargetChoice
 from specpass.drafters import Drafting, Verified, DraftTree, accept_greedy, expected_tokens
 from specpass.errors import CacheCapacityError, InvalidParameterError
 
@@ -21,7 +22,7 @@ class GenerationStats:
     new_tokens: int
     target_forwards: int  # prefill included
     seconds: float
-    finish_reason: str  # "eos", "length" or "cache_full"
+    finish_reason: str  # "eos", "stop" (a stop criterion, e.g. a stop string), "length" or "cache_full"
     steps: tuple[int, ...] = ()  # tokens emitted by each decode step (the prefill's token excluded)
     mean_tree_size: float = 1.0
 
@@ -54,15 +55,29 @@ class Generation:
     stats: GenerationStats
 
 
-def check_request(input_ids: torch.Tensor, max_new_tokens: int, cache_size: int) -> None:
+def check_max_new_tokens(max_new_tokens: object) -> None:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise InvalidParameterError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+
+
+def check_prompt(input_ids: object) -> None:
+    """The prompt's form: a non-empty int64 tensor [1, P] (batch 1)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise InvalidParameterError("input_ids must be an int64 tensor of shape [batch, prompt_length]")
     if input_ids.shape[0] != 1:
         raise InvalidParameterError(f"speculative decoding runs batch size 1, got batch {input_ids.shape[0]}")
     if input_ids.shape[1] == 0:
         raise InvalidParameterError("the prompt is empty: give at least one token")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise InvalidParameterError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+
+
+def check_request(input_ids: torch.Tensor, max_new_tokens: int, cache_size: int, vocab_size: int) -> None:
+    """Everything about a request that can be wrong, checked before the first forward."""
+    check_prompt(input_ids)
+    check_max_new_tokens(max_new_tokens)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InvalidParameterError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
     if input_ids.shape[1] > cache_size:
         raise CacheCapacityError(
             f"the prompt has {input_ids.shape[1]} tokens but the KV cache holds {cache_size}; "
@@ -89,9 +104,18 @@ def generate(
     input_ids: torch.Tensor,
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
+    choice: TargetChoice | None = None,
+    stop: Callable[[Sequence[int]], bool] | None = None,
 ) -> Generation:
-    """Greedy speculative decoding of `input_ids` [1, P] with the program's drafter (and its memory)."""
-    check_request(input_ids, max_new_tokens, program.cache_size)
+    """Speculative decoding of `input_ids` [1, P] with the program's drafter (and its memory).
+
+    choice: the target's choice after each token (default plain greedy; see backends.sampling): the
+    output equals non-speculative decoding with the same choice. stop: called with the sequence after
+    every emitted token, in order (a streamer can ride on it); True ends the generation after that
+    token (finish reason "stop").
+    """
+    check_request(input_ids, max_new_tokens, program.cache_size, program.vocab_size)
+    choice = choice if choice is not None else TargetChoice()
     curve = program.cost_curve if program.budget == "cost" else None
     device = program.device
     eos = set(eos_token_ids)
@@ -104,13 +128,15 @@ def generate(
     causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=device).tril()
     logits, hidden = program.forward(prompt, positions, causal, start=0)  # [P, V], [P, H]
     program.commit(0, range(n_prompt))  # the prompt is a chain: every node is kept
-    prefill = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden)
-    tokens.append(int(prefill.topk[-1, 0]))
+    choices = logits.argmax(dim=-1).cpu()  # [P]: only the last row is a choice the loop makes
+    choices[-1] = choice(logits[-1:], tokens)[0]
+    prefill = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden, choices)
+    tokens.append(int(choices[-1]))
     cached, forwards, sizes = n_prompt, 1, []
     steps: list[int] = []
     sessions = program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft)
     drafting = Drafting(sessions)
-    finish = _finished(tokens, n_prompt, max_new_tokens, eos)
+    finish = _finished(tokens, n_prompt, max_new_tokens, eos, stop is not None and stop(tokens))
 
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
     while finish is None:
@@ -129,17 +155,18 @@ def generate(
         logits, hidden = program.forward(
             torch.tensor(tree.tokens, device=device), cached + depths, tree.ancestor_mask().to(device), start=cached
         )  # [T, V], [T, H]
-        verified = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden)  # top-k [T, k]
-        path = accept_greedy(tree, verified.topk[:, 0].tolist())
+        choices = choice(logits, tokens, tree.parents, tree.tokens)  # [T]
+        verified = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden, choices)  # top-k [T, k]
+        path = accept_greedy(tree, choices.tolist())
         program.commit(cached, path)
-        new = [tree.tokens[i] for i in path[1:]] + [int(verified.topk[path[-1], 0])]
+        new = [tree.tokens[i] for i in path[1:]] + [int(choices[path[-1]])]
         drafting.observe(tree, verified, path, tokens)
         cached += len(path)
         forwards += 1
         sizes.append(len(tree))
-        emitted = _emit(tokens, new, n_prompt, max_new_tokens, eos)
+        emitted, stopped = _emit(tokens, new, n_prompt, max_new_tokens, eos, stop)
         steps.append(emitted)
-        finish = _finished(tokens, n_prompt, max_new_tokens, eos)
+        finish = _finished(tokens, n_prompt, max_new_tokens, eos, stopped)
         if curve is not None:
             outside = time.perf_counter() - step_started - curve.latency(len(tree))
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
@@ -158,22 +185,26 @@ def generate(
     return Generation(torch.tensor([tokens], dtype=torch.long, device=input_ids.device), stats)
 
 
-def _emit(tokens: list[int], new: list[int], n_prompt: int, max_new_tokens: int, eos: set[int]) -> int:
-    """Append accepted tokens, stopping after an EOS and at the length limit; returns how many."""
+def _emit(tokens: list[int], new: list[int], n_prompt: int, max_new_tokens: int, eos: set[int], stop) -> tuple[int, bool]:
+    """Append accepted tokens, stopping after an EOS or a stop criterion and at the length limit;
+    returns how many, and whether the stop criterion fired (it sees every appended token once)."""
     count = 0
     for token in new:
         if len(tokens) - n_prompt >= max_new_tokens:
             break
         tokens.append(token)
         count += 1
-        if token in eos:
-            break
-    return count
+        stopped = stop is not None and stop(tokens)
+        if token in eos or stopped:
+            return count, stopped
+    return count, False
 
 
-def _finished(tokens: list[int], n_prompt: int, max_new_tokens: int, eos: set[int]) -> str | None:
+def _finished(tokens: list[int], n_prompt: int, max_new_tokens: int, eos: set[int], stopped: bool) -> str | None:
     if tokens[-1] in eos:
         return "eos"
+    if stopped:
+        return "stop"
     if len(tokens) - n_prompt >= max_new_tokens:
         return "length"
     return None

@@ -56,6 +56,8 @@ def ort_session(onnx_path: str, device: torch.device, cuda_graphs: bool = False)
 
 
 def read_manifest(directory: str) -> dict:
+    if not os.path.isdir(directory):
+        raise SpecpassError(f"no specpass export at {directory!r}: the directory does not exist")
     path = os.path.join(directory, "manifest.json")
     if not os.path.exists(path):
         raise SpecpassError(f"{directory} holds no specpass export (no manifest.json); run `specpass export -o DIR`")
@@ -105,6 +107,7 @@ class OrtProgram(DecodeProgram):
             self.draft = OrtDraft(directory, self.manifest["draft"], self.device, ort_session)
         self.cache_size = cache_size
         self.eos_token_ids = tuple(self.manifest["eos_token_ids"])
+        self.vocab_size = int(self.manifest["vocab_size"])
         self.dtype = _TORCH[self.manifest["dtype"]]
         m = self.manifest
         self._kv_shape = (m["num_layers"], 1, m["num_kv_heads"], m["head_dim"])

@@ -45,7 +45,7 @@ class DecodeProgram(ABC):
     """A verify step with its KV cache, the drafter feeding it, and the device's measured cost curve.
 
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), tree (False: chains only),
-    eos_token_ids, and implement `forward` and `commit`. budget: "cost" (tree size from the measured
+    eos_token_ids, vocab_size (token ids the embedding takes), and implement `forward` and `commit`. budget: "cost" (tree size from the measured
     cost curve, per step) or a fixed number of nodes.
     """
 
@@ -54,6 +54,7 @@ class DecodeProgram(ABC):
     max_nodes: int
     tree: bool
     eos_token_ids: tuple[int, ...]
+    vocab_size: int
 
     def __init__(self, drafter: Drafter, budget: str | int = "cost"):
         check_budget(budget)
@@ -106,6 +107,7 @@ class SpeculativeProgram(DecodeProgram):
         self.step = specpass_backend(captured, [], options=options)
         self.arch = self.step.arch
         self.eos_token_ids = self.arch.eos_token_ids
+        self.vocab_size = self.arch.vocab_size
         self.report = self.step.report
         gm = self.step.graph_module
         self.k_cache, self.v_cache = gm.k_cache, gm.v_cache

@@ -25,6 +25,19 @@ def peaked_tiny_model():
     return model
 
 
+def token_inside_an_accepted_draft(continuation: list[int], steps: tuple[int, ...]) -> tuple[int, int]:
+    """(token, index in continuation) of a token that first appears in the middle of a multi-token
+    step: declared EOS, it ends a generation inside an accepted draft."""
+    start = 1  # continuation[0] comes from the prefill
+    for emitted in steps:
+        for offset in range(emitted - 1):  # not the step's last token: the draft continued past it
+            token = continuation[start + offset]
+            if token not in continuation[: start + offset]:
+                return token, start + offset
+        start += emitted
+    raise AssertionError("no multi-token step with a fresh token; pick another prompt")
+
+
 @pytest.fixture(scope="session")
 def default_model():
     import specpass

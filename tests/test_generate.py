@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import specpass
+from conftest import token_inside_an_accepted_draft
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
 from specpass.rewrites import DraftHeads, TreeAttention
 
@@ -65,20 +66,7 @@ def test_eos_inside_an_accepted_draft(default_model, cases, name):
     ids, _ = cases[0]
     options = OPTIONS[name]
     full = specpass.generate(model, ids, max_new_tokens=128, options=options)
-    continuation = full.sequences[0, ids.shape[1] :].tolist()
-    steps = full.stats.steps
-    start, chosen = 1, None  # continuation[0] comes from the prefill
-    for emitted in steps:
-        for offset in range(emitted - 1):  # not the step's last token: the draft continued past it
-            token = continuation[start + offset]
-            if token not in continuation[: start + offset]:
-                chosen = (token, start + offset)
-                break
-        if chosen:
-            break
-        start += emitted
-    assert chosen is not None, "no multi-token step with a fresh token; pick another prompt"
-    eos, position = chosen
+    eos, position = token_inside_an_accepted_draft(full.sequences[0, ids.shape[1] :].tolist(), full.stats.steps)
     out = specpass.generate(model, ids, max_new_tokens=128, eos_token_id=eos, options=options)
     reference = model.generate(ids, max_new_tokens=128, do_sample=False, eos_token_id=eos)
     assert torch.equal(out.sequences, reference)

@@ -13,7 +13,7 @@ from specpass.drafters import (
 
 
 def _verified(topk: torch.Tensor) -> Verified:
-    return Verified(topk, torch.zeros(topk.shape[0], 4))
+    return Verified(topk, torch.zeros(topk.shape[0], 4), topk[:, 0])
 
 
 def test_compact_moves_the_accepted_path_into_place():

@@ -5,7 +5,7 @@ and the torch.compile backend named "specpass".
 """
 
 from specpass import drafters, rewrites
-from specpass.api import compile_program, custom_generate, generate, load_onnx
+from specpass.api import compile_program, generate, load_onnx
 from specpass.backends.decode import Generation, GenerationStats
 from specpass.backends.options import CompileOptions
 from specpass.errors import (
@@ -17,7 +17,9 @@ from specpass.errors import (
     PassPipelineError,
     SpecpassError,
     UnsupportedArchitectureError,
+    UnsupportedSettingError,
 )
+from specpass.hf_hook import custom_generate
 from specpass.models import load_default_model
 from specpass.passes import Pipeline
 
@@ -34,6 +36,7 @@ __all__ = [
     "Pipeline",
     "SpecpassError",
     "UnsupportedArchitectureError",
+    "UnsupportedSettingError",
     "compile_program",
     "custom_generate",
     "drafters",

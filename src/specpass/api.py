@@ -1,4 +1,4 @@
-"""specpass.generate and the HF `custom_generate` hook."""
+"""specpass.generate, compile_program and load_onnx (the HF hook is in hf_hook.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specpass.backends.decode import Generation
+from specpass.backends.decode import Generation, check_max_new_tokens, check_prompt
 from specpass.backends.decode import generate as _decode
 from specpass.backends.program import DecodeProgram, program_for
 from specpass.backends.resolve import resolve
+from specpass.backends.sampling import Sampling, TargetChoice
 from specpass.errors import InvalidParameterError
 from specpass.ir import arch_spec
 
@@ -35,37 +36,31 @@ def generate(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     options=None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int = 0,
 ) -> Generation:
-    """Greedy speculative generation; the tokens equal the model's plain greedy decoding.
+    """Speculative generation; the tokens equal the model's plain decoding with the same settings.
 
     model: `torch.compile(model, backend="specpass", options=...)`, a plain HF model (then `options`
     or the defaults apply), or a program such as `load_onnx(...)`'s. eos_token_id defaults to the
-    model's generation config.
+    model's generation config. Greedy by default; do_sample=True samples after temperature, top_k,
+    top_p and min_p (Hugging Face's warpers) with noise keyed by (seed, position), so the same seed
+    gives the same tokens with or without speculation (backends/sampling.py).
     """
+    check_prompt(input_ids)
+    check_max_new_tokens(max_new_tokens)
+    sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        seed=seed)  # fmt: skip
     program = compile_program(model, options)
     if eos_token_id is None:
         eos = program.eos_token_ids
     else:
         eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    return _decode(program, input_ids, max_new_tokens, eos)
-
-
-def custom_generate(options=None):
-    """A callable for HF's `model.generate(ids, custom_generate=specpass.custom_generate(...))`.
-
-    HF calls it with the model and its prepared generation config; greedy settings are required.
-    """
-
-    def specpass_decoding(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **_):
-        config = generation_config
-        if config is not None and config.do_sample:
-            raise NotImplementedError("specpass's custom_generate implements greedy decoding (do_sample=False)")
-        max_new = config.max_new_tokens if config is not None and config.max_new_tokens else 20
-        eos = config.eos_token_id if config is not None else None
-        out = generate(model, input_ids, max_new, eos_token_id=eos, options=options)
-        return out.sequences
-
-    return specpass_decoding
+    return _decode(program, input_ids, max_new_tokens, eos, TargetChoice(sampling=sampling))
 
 
 def load_onnx(directory: str, **kwargs):

@@ -10,6 +10,23 @@ import time
 from specpass.drafters.registry import DRAFTER_NAMES
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, `specpass: error: ...`, like every other CLI failure."""
+
+    def error(self, message: str):
+        self.exit(2, f"specpass: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
 def _pipeline(text: str | None):
     from specpass.backends.options import default_pipeline
     from specpass.passes import Pipeline
@@ -38,25 +55,34 @@ def _pytorch_runs(args: argparse.Namespace):
 
     import specpass
     from specpass.drafters.registry import drafter_by_name
+    from specpass.errors import InvalidParameterError
     from specpass.models import load_model
     from specpass.passes import Pipeline
-    from specpass.rewrites import DraftHeads
+    from specpass.rewrites import DraftHeads, TreeAttention
 
+    pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
     model, tokenizer, _ = load_model(args.model)
-    pipeline = _pipeline(args.pipeline)
+    if tokenizer is None:
+        raise InvalidParameterError(f"{args.model} holds no tokenizer files; generate needs them to encode --prompt")
     if args.heads is not None:
         pipeline = Pipeline(*pipeline, DraftHeads(kind=args.heads, heads=args.heads_dir or "default"))
     options = {"pipeline": pipeline, "drafter": drafter_by_name(args.drafter)}
     compiled = torch.compile(model, backend="specpass", options=options)
     specpass.compile_program(compiled)  # capture, rewrite, lower and measure the cost curve up front
+    sampling = _sampling(args)
+    one_node = specpass.CompileOptions(budget=1, pipeline=Pipeline(TreeAttention(1)))
+    if sampling["do_sample"]:  # HF samples with other noise: the reference is specpass's one-node trees
+        specpass.compile_program(model, one_node)  # built before timing
 
-    def greedy(ids, max_new_tokens):
+    def reference(ids, max_new_tokens):
+        if sampling["do_sample"]:
+            return specpass.generate(model, ids, max_new_tokens, options=one_node, **sampling).sequences
         return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
 
     def speculative(ids, max_new_tokens):
-        return specpass.generate(compiled, ids, max_new_tokens=max_new_tokens)
+        return specpass.generate(compiled, ids, max_new_tokens=max_new_tokens, **sampling)
 
-    return tokenizer, greedy, speculative
+    return tokenizer, reference, speculative
 
 
 def _onnxrt_runs(args: argparse.Namespace):
@@ -67,46 +93,62 @@ def _onnxrt_runs(args: argparse.Namespace):
     from specpass.drafters.registry import drafter_by_name
     from specpass.errors import InvalidParameterError
 
+    from specpass.backends.onnxrt import read_manifest
+
     if args.model is None:
         raise InvalidParameterError("--backend onnxrt needs --model DIR, a `specpass export` output")
     if args.pipeline is not None:
         raise InvalidParameterError("an ONNX export's pipeline is fixed at export time; drop --pipeline")
+    read_manifest(args.model)  # a missing or foreign directory is named before anything loads
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     program = specpass.load_onnx(args.model, drafter=drafter_by_name(args.drafter), device=args.device)
     plain = specpass.load_onnx(args.model, device=args.device, max_nodes=1)
     program.cost_curve  # measured before timing
+    sampling = _sampling(args)
 
-    def greedy(ids, max_new_tokens):
-        return specpass.generate(plain, ids, max_new_tokens=max_new_tokens).sequences
+    def reference(ids, max_new_tokens):
+        return specpass.generate(plain, ids, max_new_tokens=max_new_tokens, **sampling).sequences
 
     def speculative(ids, max_new_tokens):
-        return specpass.generate(program, ids, max_new_tokens=max_new_tokens)
+        return specpass.generate(program, ids, max_new_tokens=max_new_tokens, **sampling)
 
-    return tokenizer, greedy, speculative
+    return tokenizer, reference, speculative
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """specpass.generate's sampling arguments from the flags (checked by specpass.generate)."""
+    names = ("temperature", "top_k", "top_p", "min_p", "seed")
+    return {"do_sample": args.do_sample} | {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from specpass.backends.sampling import Sampling
+
+    Sampling(**_sampling(args))  # bad sampling flags are refused before any model loads
     torch.manual_seed(0)
-    tokenizer, greedy, speculative = (_onnxrt_runs if args.backend == "onnxrt" else _pytorch_runs)(args)
+    tokenizer, plain, speculative = (_onnxrt_runs if args.backend == "onnxrt" else _pytorch_runs)(args)
     ids = _encode(tokenizer, args.prompt, args.raw)
     started = time.perf_counter()
-    reference = greedy(ids, args.max_new_tokens)
-    greedy_seconds = time.perf_counter() - started
+    reference = plain(ids, args.max_new_tokens)
+    plain_seconds = time.perf_counter() - started
     out = speculative(ids, args.max_new_tokens)
 
     print(tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
     print()
-    greedy_tokens = reference.shape[1] - ids.shape[1]
-    greedy_rate = greedy_tokens / greedy_seconds
-    label = "plain greedy (HF)" if args.backend == "pytorch" else "plain greedy (ORT)"
-    print(f"{'':20}{'tokens':>8}{'tokens/s':>10}{'tau':>7}")
-    print(f"{label:20}{greedy_tokens:>8}{greedy_rate:>10.1f}{1.0:>7.2f}")
+    plain_tokens = reference.shape[1] - ids.shape[1]
+    plain_rate = plain_tokens / plain_seconds
+    if args.do_sample:
+        label = "plain sampling (one-node)"
+    else:
+        label = "plain greedy (HF)" if args.backend == "pytorch" else "plain greedy (ORT)"
+    print(f"{'':26}{'tokens':>8}{'tokens/s':>10}{'tau':>7}")
+    print(f"{label:26}{plain_tokens:>8}{plain_rate:>10.1f}{1.0:>7.2f}")
     s = out.stats
-    print(f"{'specpass':20}{s.new_tokens:>8}{s.tokens_per_second:>10.1f}{s.tau:>7.2f}")
+    print(f"{'specpass':26}{s.new_tokens:>8}{s.tokens_per_second:>10.1f}{s.tau:>7.2f}")
     same = torch.equal(out.sequences, reference)
-    print(f"speedup {s.tokens_per_second / greedy_rate:.2f}x, identical to greedy: {same}")
+    print(f"speedup {s.tokens_per_second / plain_rate:.2f}x, identical to {'plain sampling' if args.do_sample else 'greedy'}: {same}")
     print(f"stats: {s}")
     return 0 if same else 1
 
@@ -117,9 +159,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from specpass.backends.onnx_export import DTYPES, export
     from specpass.models import load_model
 
+    pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
     model, tokenizer, name = load_model(args.model, dtype=DTYPES[args.dtype])
     with torch.no_grad():
-        result = export(model, _pipeline(args.pipeline), args.output, tokenizer=tokenizer, model_name=name,
+        result = export(model, pipeline, args.output, tokenizer=tokenizer, model_name=name,
                         force=args.force, check=not args.no_check)  # fmt: skip
     print(f"wrote {result.onnx_path} ({result.manifest['architecture']}, {result.manifest['dtype']})")
     if result.max_abs_diff is None:
@@ -173,7 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpass", description=__doc__)
+    parser = _Parser(prog="specpass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="speculative generation beside plain greedy (default model)")
     gen.add_argument("--prompt", required=True)
@@ -181,12 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", help="pytorch: a HF model directory or .gguf file (default: the embedded "
                                      "SmolLM2-135M-Instruct); onnxrt: a `specpass export` directory")  # fmt: skip
     gen.add_argument("--device", default="cpu", help="onnxrt: cpu (CPU EP) or cuda (CUDA EP)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gen.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention)")
     gen.add_argument("--drafter", choices=DRAFTER_NAMES, default="combined")
     gen.add_argument("--heads", choices=("medusa", "hydra"), help="add draft heads to the pipeline (pytorch)")
     gen.add_argument("--heads-dir", help="trained heads (default: the ones shipped for the default model)")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as raw text (no chat template)")
+    gen.add_argument("--do-sample", action="store_true", help="sample (seeded; lossless against one-node trees)")
+    gen.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default 0: off)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0: off)")
+    gen.add_argument("--min-p", type=float, help="drop tokens below min_p x the likeliest's probability (default 0)")
+    gen.add_argument("--seed", type=int, help="keys the sampling noise (default 0)")
     gen.set_defaults(run=cmd_generate)
     exp = sub.add_parser("export", help="write the rewritten decode step as an ONNX model, checked on ORT")
     exp.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
@@ -214,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--device", default="cpu", help="where the model generates and the heads train: cpu or cuda")
     heads.set_defaults(run=cmd_train_heads)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")
-    bench.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--prompts", type=_positive_int, default=10, help="prompts per set (code, chat)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--out", default="benchmarks/results")
     bench.add_argument(
         "--no-compile-baseline", action="store_true", help="skip HF static cache + torch.compile (compiles ~2 min)"

@@ -31,3 +31,7 @@ class CacheCapacityError(SpecpassError):
 
 class ExportError(SpecpassError):
     """An ONNX export cannot be done as asked (unsupported pass, existing output, failed check)."""
+
+
+class UnsupportedSettingError(SpecpassError, ValueError):
+    """A generation setting specpass does not implement (refused, never ignored)."""

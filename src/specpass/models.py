@@ -43,21 +43,30 @@ def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.d
 def load_model(source: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model, tokenizer, name) from the embedded default (source None), a local Hugging Face model
     directory (tokenizer None when it holds none), or a local GGUF file. Nothing is downloaded."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if source is None:
         model, tokenizer = load_default_model(dtype, device)
         return model, tokenizer, DEFAULT_MODEL_NAME
+    if not (os.path.isdir(source) or (os.path.isfile(source) and source.endswith(".gguf"))):
+        raise InvalidParameterError(f"no model at {source!r}: give a Hugging Face model directory or a .gguf file")
+    try:
+        model, tokenizer = _load_local(source, dtype)
+    except (OSError, ValueError, KeyError) as exc:  # transformers' words for "not a model it can read"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InvalidParameterError(f"cannot load a model from {source!r}: {reason}") from exc
+    return model.to(device).eval(), tokenizer, os.path.basename(os.path.normpath(source))
+
+
+def _load_local(source: str, dtype: torch.dtype):
+    """(model, tokenizer or None) from a local HF directory or .gguf file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if os.path.isdir(source):
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         except (OSError, ValueError):  # a model directory without tokenizer files
             tokenizer = None
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
-    elif os.path.isfile(source) and source.endswith(".gguf"):
-        folder, name = os.path.split(os.path.abspath(source))
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
-    else:
-        raise InvalidParameterError(f"no model at {source!r}: give a Hugging Face model directory or a .gguf file")
-    return model.to(device).eval(), tokenizer, os.path.basename(os.path.normpath(source))
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True), tokenizer
+    folder, name = os.path.split(os.path.abspath(source))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
+    return model, tokenizer

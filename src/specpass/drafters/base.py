@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 class Verified:
     """What a target forward tells the drafters about its T tokens (the prompt, or a verified tree)."""
 
-    topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token
+    topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token (raw logits)
     hidden: torch.Tensor  # [T, H] on the model's device: final normed hidden states
+    choices: torch.Tensor  # [T] int64 on the CPU: the token the target chose after each token (greedy or sampled)
 
 
 class DraftModel(Protocol):

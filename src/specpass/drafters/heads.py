@@ -54,7 +54,7 @@ class Heads(Drafter):
             raise InvalidParameterError(
                 "the Heads drafter needs draft heads in the pipeline: add rewrites.DraftHeads(kind=...)"
             )
-        return HeadsSession(self, draft, prefill.hidden[-1], int(prefill.topk[-1, 0]))
+        return HeadsSession(self, draft, prefill.hidden[-1], int(prefill.choices[-1]))
 
 
 class HeadsSession(DraftSession):
@@ -70,7 +70,7 @@ class HeadsSession(DraftSession):
 
     def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
         self.hidden = verified.hidden[path[-1]]
-        self.root = int(verified.topk[path[-1], 0])
+        self.root = int(verified.choices[path[-1]])
 
     def candidates(self, tokens: Sequence[int]):
         if tokens[-1] != self.root:
