@@ -111,8 +111,8 @@ def generate(
 
     choice: the target's choice after each token (default plain greedy; see backends.sampling): the
     output equals non-speculative decoding with the same choice. stop: called with the sequence after
-    every emitted token, in order (a streamer can ride on it); True ends the generation after that
-    token (finish reason "stop").
+    every emitted token, in order; True ends the generation after that token (finish reason "stop").
+    Plain greedy takes its choice from the top-k the drafters get anyway (no second pass over the logits).
     """
     check_request(input_ids, max_new_tokens, program.cache_size, program.vocab_size)
     choice = choice if choice is not None else TargetChoice()
@@ -128,9 +128,11 @@ def generate(
     causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=device).tril()
     logits, hidden = program.forward(prompt, positions, causal, start=0)  # [P, V], [P, H]
     program.commit(0, range(n_prompt))  # the prompt is a chain: every node is kept
-    choices = logits.argmax(dim=-1).cpu()  # [P]: only the last row is a choice the loop makes
-    choices[-1] = choice(logits[-1:], tokens)[0]
-    prefill = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden, choices)
+    topk = logits.topk(TOPK, dim=-1).indices.cpu()  # [P, k]
+    choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
+    if not choice.plain_greedy:
+        choices[-1] = choice(logits[-1:], tokens)[0]
+    prefill = Verified(topk, hidden, choices)
     tokens.append(int(choices[-1]))
     cached, forwards, sizes = n_prompt, 1, []
     steps: list[int] = []
@@ -155,8 +157,9 @@ def generate(
         logits, hidden = program.forward(
             torch.tensor(tree.tokens, device=device), cached + depths, tree.ancestor_mask().to(device), start=cached
         )  # [T, V], [T, H]
-        choices = choice(logits, tokens, tree.parents, tree.tokens)  # [T]
-        verified = Verified(logits.topk(TOPK, dim=-1).indices.cpu(), hidden, choices)  # top-k [T, k]
+        topk = logits.topk(TOPK, dim=-1).indices.cpu()  # [T, k]
+        choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
+        verified = Verified(topk, hidden, choices)
         path = accept_greedy(tree, choices.tolist())
         program.commit(cached, path)
         new = [tree.tokens[i] for i in path[1:]] + [int(choices[path[-1]])]

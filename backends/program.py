@@ -45,8 +45,8 @@ class DecodeProgram(ABC):
     """A verify step with its KV cache, the drafter feeding it, and the device's measured cost curve.
 
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), tree (False: chains only),
-    eos_token_ids, vocab_size (token ids the embedding takes), and implement `forward` and `commit`. budget: "cost" (tree size from the measured
-    cost curve, per step) or a fixed number of nodes.
+    eos_token_ids, vocab_size (token ids the embedding takes), and implement `forward` and `commit`.
+    budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
     """
 
     device: torch.device

@@ -21,6 +21,7 @@ repetition penalty) are applied to each node with that node's own prefix: nodes 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,6 +180,7 @@ class TargetChoice:
         return scores.argmax(dim=-1).cpu()
 
 
+@functools.cache
 def _warper_types() -> tuple[type, ...]:
     """Processors that read only the scores, never input_ids (so all nodes go in one batch)."""
     from transformers.generation import logits_process

@@ -90,10 +90,9 @@ def _onnxrt_runs(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     import specpass
+    from specpass.backends.onnxrt import read_manifest
     from specpass.drafters.registry import drafter_by_name
     from specpass.errors import InvalidParameterError
-
-    from specpass.backends.onnxrt import read_manifest
 
     if args.model is None:
         raise InvalidParameterError("--backend onnxrt needs --model DIR, a `specpass export` output")
