@@ -7,8 +7,11 @@ summaries of stdlib docstrings [10:10+N] (the benchmark uses 0..), all disjoint 
 training prompts. Float32, on the CPU (or the GPU when there is one). Each configuration runs the
 default tree budget (the cost curve). The ONNX Runtime rows export the default model with Hydra heads
 once and run the export.
+Sampling: each configuration also samples every prompt (settings cycled over SAMPLING, seed = prompt
+index) and is compared with plain sampling of the same seed (one-node trees): keyed noise makes them
+equal token for token.
 Writes lossless-<device>.json: per configuration, the prompts whose output differed (their index and
-the first differing position); the run fails (exit 1) when any differs.
+the first differing position), greedy and sampled; the run fails (exit 1) when any differs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ TORCH_CONFIGS = {
     "hydra_combined": ("heads-combined", "hydra"),
 }
 ORT_CONFIGS = {"onnxrt_combined": "combined", "onnxrt_hydra_combined": "heads-combined"}
+SAMPLING = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3))
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -77,7 +81,9 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
     if min(len(ids) for ids in sets.values()) < prompts_per_set:
         raise SystemExit(f"fewer than {prompts_per_set} prompts per set at these offsets")
     programs = _programs(model, device, tokenizer, os.path.join(tempfile.mkdtemp(prefix="specpass-"), "onnx"))
-    results = {name: {"prompts": 0, "differing": [], "tau": 0.0} for name in programs}
+    results = {name: {"prompts": 0, "differing": [], "tau": 0.0, "sampled_differing": [], "sampled_tau": 0.0}
+               for name in programs}  # fmt: skip
+    one_node = specpass.compile_program(model, {"budget": 1, "pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(1))})
     started = time.time()
     for set_name, prompt_ids in sets.items():
         for program in programs.values():
@@ -94,17 +100,29 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
                 if not torch.equal(out.sequences.cpu(), reference):
                     where = _first_difference(out.sequences.cpu(), reference) - ids.shape[1]
                     row["differing"].append({"set": set_name, "index": index, "first_differing_token": where})
+            sampling = dict(do_sample=True, seed=index, **SAMPLING[index % len(SAMPLING)])
+            sampled = specpass.generate(one_node, ids, max_new_tokens, **sampling).sequences.cpu()
+            for name, program in programs.items():
+                out = specpass.generate(program, ids, max_new_tokens, **sampling)
+                results[name]["sampled_tau"] += out.stats.new_tokens / out.stats.target_forwards
+                if not torch.equal(out.sequences.cpu(), sampled):
+                    where = _first_difference(out.sequences.cpu(), sampled) - ids.shape[1]
+                    results[name]["sampled_differing"].append(
+                        {"set": set_name, "index": index, "sampling": sampling, "first_differing_token": where}
+                    )
             print(f"{set_name} {index}: {reference.shape[1] - ids.shape[1]} tokens, "
                   f"{time.time() - started:.0f}s", flush=True)  # fmt: skip
     for row in results.values():
         row["tau"] = round(row["tau"] / row["prompts"], 3)  # mean per-prompt tau (a sanity figure, not a benchmark)
+        row["sampled_tau"] = round(row["sampled_tau"] / row["prompts"], 3)
     label = device_label(device)
     report = {
         **run_identity(device),
         "max_new_tokens": max_new_tokens,
         "prompt_sets": {"code": f"HumanEval[{CODE_OFFSET}:{CODE_OFFSET + prompts_per_set}] raw",
                         "chat": f"stdlib docstring summaries [{CHAT_OFFSET}:{CHAT_OFFSET + prompts_per_set}]"},  # fmt: skip
-        "reference": "HF generate, do_sample=False",
+        "reference": "HF generate, do_sample=False; sampled: specpass one-node trees, same seed and settings",
+        "sampling": [dict(s, seed="prompt index") for s in SAMPLING],
         "results": results,
     }
     os.makedirs(out_dir, exist_ok=True)
@@ -112,7 +130,8 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     for name, row in results.items():
-        print(f"{name:24s} {row['prompts']} prompts, {len(row['differing'])} differing, mean tau {row['tau']}")
+        print(f"{name:24s} {row['prompts']} prompts, {len(row['differing'])} differing, mean tau {row['tau']}; "
+              f"sampled: {len(row['sampled_differing'])} differing, mean tau {row['sampled_tau']}")  # fmt: skip
     print(f"wrote {path}")
     return report
 
@@ -124,7 +143,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     report = run(args.prompts, args.max_new_tokens, args.out)
-    return 1 if any(row["differing"] for row in report["results"].values()) else 0
+    rows = report["results"].values()
+    return 1 if any(row["differing"] or row["sampled_differing"] for row in rows) else 0
 
 
 if __name__ == "__main__":
