@@ -22,11 +22,9 @@ import torch.fx
 from specpass.backends.lowering import lower
 from specpass.backends.options import CompileOptions
 from specpass.errors import UnsupportedArchitectureError
-from specpass.ir import SUPPORTED_ARCHITECTURES, ArchSpec, arch_of, is_captured_step
+from specpass.ir import ArchSpec, SlotLayout, arch_of, is_captured_step
+from specpass.ir.families import MODELING_MODULES, SUPPORTED_ARCHITECTURES
 from specpass.passes import PassReport
-from specpass.rewrites import TreeAttention
-
-_SUPPORTED_MODELING = ("transformers.models.llama.", "transformers.models.qwen2.", "transformers.models.mistral.")
 
 
 def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
@@ -41,15 +39,15 @@ def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, 
 class CompiledStep:
     """A rewritten, lowered decode step: call it with the graph's inputs as keywords."""
 
-    run: Callable  # the lowering (EagerStep or CudaGraphStep)
-    draft: Callable | None  # the lowered draft graph (rewrites.DraftHeads), if the pipeline adds one
+    run: Callable  # the lowering (EagerStep, FastestPerSize or CudaGraphStep): run(input_ids, layout)
+    draft: Callable | None  # the lowered draft graph (ir.draft), if the pipeline adds one: draft.run_graph(inputs)
     graph_module: torch.fx.GraphModule  # the rewritten graph, owner of the KV cache buffers
     report: PassReport
     arch: ArchSpec
     max_nodes: int  # largest tree the step is prepared for
 
-    def __call__(self, **inputs):
-        return self.run(**inputs)
+    def __call__(self, input_ids, layout: SlotLayout):
+        return self.run(input_ids, layout)
 
     @property
     def input_names(self) -> list[str]:
@@ -59,8 +57,7 @@ class CompiledStep:
 def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions) -> CompiledStep:
     """Run the pipeline on a captured step (verified after every pass) and lower it."""
     rewritten, report = opts.pipeline.run(gm)
-    tree = next((p for p in opts.pipeline if isinstance(p, TreeAttention)), None)
-    max_nodes = tree.max_nodes if tree is not None else 16
+    max_nodes = opts.pipeline.largest_tree()
     run, draft = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes, rewritten.k_cache.shape[3])
     return CompiledStep(run, draft, rewritten, report, arch_of(rewritten), max_nodes)
 
@@ -73,7 +70,7 @@ def check_dynamo_graph(gm: torch.fx.GraphModule) -> None:
             module = getattr(module_type, "__module__", "")
             if module.startswith("transformers.models."):
                 families.add(module)
-    unsupported = sorted(m for m in families if not m.startswith(_SUPPORTED_MODELING))
+    unsupported = sorted(m for m in families if not m.startswith(MODELING_MODULES))
     if unsupported:
         raise UnsupportedArchitectureError(
             f"specpass cannot compile modules from {unsupported}; "

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specpass.ir.layout import SlotLayout
+
 
 @dataclass(frozen=True)
 class CostCurve:
@@ -61,8 +63,8 @@ class CostCurve:
 
 def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 5,
             min_seconds: float = 0.05) -> CostCurve:  # fmt: skip
-    """Median latency per size of `forward(tokens, positions, tree_mask, start)` (a program's verify
-    forward) on a chain of `size` tokens after `kv_len - size` cached slots.
+    """Median latency per size of `forward(tokens, layout)` (a program's verify forward) on a chain
+    of `size` tokens after `kv_len - size` cached slots.
 
     Each size runs at least `repeats` times and until `min_seconds` have been timed: a CPU step takes
     tens of milliseconds, so five runs suffice; a CUDA-graph replay takes a few hundred microseconds,
@@ -70,17 +72,15 @@ def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 2
     """
     seconds = []
     for size in sizes:
-        start = max(kv_len - size, 0)
+        layout = SlotLayout.chain(max(kv_len - size, 0), size, device)
         tokens = torch.zeros(size, dtype=torch.long, device=device)
-        positions = torch.arange(start, start + size, device=device)
-        chain = torch.ones(size, size, dtype=torch.bool, device=device).tril()
         for _ in range(2):  # warm-up (and CUDA-graph capture)
-            forward(tokens, positions, chain, start)
+            forward(tokens, layout)
         samples: list[float] = []
         while len(samples) < repeats or sum(samples) < min_seconds:
             _synchronize(device)
             t0 = time.perf_counter()
-            forward(tokens, positions, chain, start)
+            forward(tokens, layout)
             _synchronize(device)
             samples.append(time.perf_counter() - t0)
         seconds.append(statistics.median(samples))

@@ -11,10 +11,9 @@ import torch
 
 from specpass.backends.program import DecodeProgram
 from specpass.backends.sampling import TargetChoice
-from specpass.drafters import Drafting, Verified, DraftTree, accept_greedy, expected_tokens
+from specpass.drafters import Drafting, TargetForward, DraftTree, accept_greedy, expected_tokens
 from specpass.errors import CacheCapacityError, InvalidParameterError
-
-TOPK = 8
+from specpass.ir.layout import SlotLayout
 
 
 @dataclass(frozen=True)
@@ -123,16 +122,15 @@ def generate(
     tokens: list[int] = input_ids[0].tolist()
     n_prompt = len(tokens)
 
-    prompt = input_ids[0].to(device)
-    positions = torch.arange(n_prompt, device=device)
-    causal = torch.ones(n_prompt, n_prompt, dtype=torch.bool, device=device).tril()
-    logits, hidden = program.forward(prompt, positions, causal, start=0)  # [P, V], [P, H]
-    program.commit(0, range(n_prompt))  # the prompt is a chain: every node is kept
-    topk = logits.topk(TOPK, dim=-1).indices.cpu()  # [P, k]
+    top_k = min(program.drafter.target_topk, program.vocab_size)  # the target's top candidates the drafters read
+    prompt = SlotLayout.chain(0, n_prompt, device)
+    logits, hidden = program.forward(input_ids[0].to(device), prompt)  # [P, V], [P, H]
+    program.commit(prompt, range(n_prompt))  # the prompt is a chain: every node is kept
+    topk = logits.topk(top_k, dim=-1).indices.cpu()  # [P, k]
     choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
     if not choice.plain_greedy:
         choices[-1] = choice(logits[-1:], tokens)[0]
-    prefill = Verified(topk, hidden, choices)
+    prefill = TargetForward(topk, hidden, choices)
     tokens.append(int(choices[-1]))
     cached, forwards, sizes = n_prompt, 1, []
     steps: list[int] = []
@@ -149,19 +147,17 @@ def generate(
             break
         remaining = max_new_tokens - (len(tokens) - n_prompt)
         tree = drafting.draft(tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
-        if not program.tree:
+        if not program.verifies_trees:
             tree = _as_chain(tree)
         size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
         tree = tree.prefix(size)
-        depths = torch.tensor(tree.depths(), device=device)
-        logits, hidden = program.forward(
-            torch.tensor(tree.tokens, device=device), cached + depths, tree.ancestor_mask().to(device), start=cached
-        )  # [T, V], [T, H]
-        topk = logits.topk(TOPK, dim=-1).indices.cpu()  # [T, k]
+        layout = SlotLayout(cached, tree.ancestor_mask().to(device))
+        logits, hidden = program.forward(torch.tensor(tree.tokens, device=device), layout)  # [T, V], [T, H]
+        topk = logits.topk(top_k, dim=-1).indices.cpu()  # [T, k]
         choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
-        verified = Verified(topk, hidden, choices)
+        verified = TargetForward(topk, hidden, choices)
         path = accept_greedy(tree, choices.tolist())
-        program.commit(cached, path)
+        program.commit(layout, path)
         new = [tree.tokens[i] for i in path[1:]] + [int(choices[path[-1]])]
         drafting.observe(tree, verified, path, tokens)
         cached += len(path)

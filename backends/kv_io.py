@@ -16,7 +16,8 @@ which an ONNX graph cannot express without aliasing. This lowering rewrites a co
              ...                           any further outputs of the step (draft outputs), unchanged
 
 Rewrite. In every layer the cache write and the read of slots [0, kv_len) become
-`cat(past[layer], new, dim=2)`; the step's attention mask becomes `cat(past_mask, tree_mask)`.
+`cat(past[layer], new, dim=2)`; the step's attention mask becomes the slot layout's functional
+encoding, `ir.layout.past_and_tree_visibility(past_mask, tree_mask)`.
 Everything else in the graph is untouched, so the logits of token t equal the cached step's logits
 when the cached step sees the same slots (tested). The runtime commits an accepted path by copying
 `new_keys[..., path, :]` into its cache: compaction without recompute, as in the PyTorch lowering.
@@ -28,24 +29,18 @@ import torch
 import torch.fx
 
 from specpass.errors import PassMismatchError
-from specpass.ir import copy_step, info
-from specpass.ir.roles import Role, annotate, nodes_with_role, placeholder
+from specpass.ir import copy_step, info, query
+from specpass.ir.layout import past_and_tree_visibility
+from specpass.ir.roles import Role, annotate, placeholder
 
 INPUTS = ("input_ids", "positions", "past_keys", "past_values", "past_mask", "tree_mask")
 KV_OUTPUTS = ("new_keys", "new_values")
 
 
-def _attention_mask(past_mask: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, S] + [B, T, T] -> [B, 1, T, S + T] boolean attention mask."""
-    return torch.cat((past_mask, tree_mask), dim=-1).unsqueeze(1)
-
-
 def _cache_reads(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """(cache write, the slice of the written cache that attention reads), in graph order."""
     pairs = []
-    for write in nodes_with_role(graph, Role.CACHE_WRITE):
-        if write.op != "call_method" or write.target != "index_copy_":
-            continue
+    for write in query.cache_writes(graph):
         users = list(write.users)
         if len(users) != 1:
             raise PassMismatchError(f"cache write {write.name} has {len(users)} readers, expected one slice")
@@ -61,10 +56,10 @@ def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     reads = _cache_reads(graph)
     if len(reads) != 2 * num_layers:
         raise PassMismatchError(f"expected a key and a value cache write per layer, found {len(reads)} writes")
-    masks = {n.kwargs.get("attn_mask") for n in nodes_with_role(graph, Role.ATTENTION) if "attn_mask" in n.kwargs}
-    if len(masks) != 1:
-        raise PassMismatchError(f"expected one attention mask shared by every layer, found {len(masks)}")
-    (mask,) = masks
+    mask = query.shared_mask(graph)
+    if mask is None:
+        found = len(query.attention_masks(graph))
+        raise PassMismatchError(f"expected one attention mask shared by every layer, found {found}")
 
     old_inputs = [n for n in graph.nodes if n.op == "placeholder"]
     new_inputs = {}
@@ -72,14 +67,15 @@ def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for name in INPUTS[2:]:  # input_ids, positions (and a tree step's tree_mask) are kept as they are
             new_inputs[name] = placeholder(graph, name) or annotate(graph.placeholder(name), Role.INPUT)
     with graph.inserting_before(mask):
-        attention_mask = graph.call_function(_attention_mask, (new_inputs["past_mask"], new_inputs["tree_mask"]))
+        masks = (new_inputs["past_mask"], new_inputs["tree_mask"])
+        attention_mask = graph.call_function(past_and_tree_visibility, masks)
     annotate(attention_mask, Role.MASK)
     mask.replace_all_uses_with(attention_mask)
 
     new_kv: dict[str, list[torch.fx.Node]] = {"past_keys": [], "past_values": []}
     for write, read in reads:
         layer = info(write).layer
-        source = {"k_cache": "past_keys", "v_cache": "past_values"}[_cache_of(write)]
+        source = {"k_cache": "past_keys", "v_cache": "past_values"}[query.cache_buffer(write)]
         new = write.args[3]  # [B, KV, T, D]
         with graph.inserting_before(read):
             past = annotate(graph.call_function(_layer, (new_inputs[source], layer)), Role.CACHE, layer)
@@ -112,14 +108,6 @@ def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if order != list(INPUTS):
         raise PassMismatchError(f"the step's inputs came out as {order}, expected {list(INPUTS)}")
     return lowered
-
-
-def _cache_of(write: torch.fx.Node) -> str:
-    """Which cache buffer (k_cache or v_cache) a cache write writes into."""
-    node = write.args[0]
-    while node.op != "get_attr":
-        node = node.args[0]
-    return node.target
 
 
 def _layer(stacked: torch.Tensor, layer: int) -> torch.Tensor:

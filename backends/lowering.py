@@ -11,11 +11,17 @@ import torch.fx
 from specpass.backends import onednn
 from specpass.backends.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
-from specpass.ir.roles import DRAFT_MODULE
+from specpass.ir.draft import draft_graph
+from specpass.ir.layout import SlotLayout
 
 
 class EagerStep:
-    """Runs a GraphModule directly: the rewritten step itself (`eager`, the reference) or its oneDNN lowering."""
+    """Runs a GraphModule directly: the rewritten step itself (`eager`, the reference) or its oneDNN lowering.
+
+    A lowered verify step is called as `step(input_ids [B, T], layout)` (ir.layout.SlotLayout) and
+    returns the graph's outputs (logits [B, T, V], hidden [B, T, H], ...); `run_graph` takes the
+    graph's inputs by name (a draft graph is called that way, with its DraftGraphSpec's inputs).
+    """
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str = "eager"):
         self.gm = gm
@@ -23,8 +29,11 @@ class EagerStep:
         self.input_names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
 
     @torch.no_grad()
-    def __call__(self, **inputs):
+    def run_graph(self, inputs: dict):
         return self.gm(**{name: inputs[name] for name in self.input_names})
+
+    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout):
+        return self.run_graph(layout.step_inputs(input_ids))
 
 
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
@@ -46,7 +55,7 @@ def lower(
     kinds = resolve_lowering(lowering, device, gm.k_cache.dtype)
     packed: dict = {}  # oneDNN-packed weights, shared by the graphs lowered here
     steps = {kind: _lower_one(gm, kind, device, max_nodes, cache_size, packed) for kind in kinds}
-    draft = getattr(gm, DRAFT_MODULE, None)
+    draft = draft_graph(gm)
     if draft is not None:
         draft = EagerStep(onednn.pack_linears(draft, packed), kind="onednn") if packed else EagerStep(draft)
     if len(steps) == 1:

@@ -1,93 +1,98 @@
-"""The draft graph (rewrites.DraftHeads) on ONNX: exported beside the step as draft.onnx, run on ORT.
+"""A step's draft graph (ir.draft) on ONNX: exported beside the step as draft.onnx, run on ORT.
 
-draft.onnx: inputs hidden [N, H] (final hidden states the heads start from), tokens [N, K] int64
-(Hydra's drafted tokens; Medusa ignores them), head [N] int64 (which head each row evaluates);
-outputs logits [N, D] over the draft vocabulary and its token ids vocab [D] (heads.modules.DraftStep).
-N is dynamic. The LM head (or its draft-vocabulary rows) and the embedding are stored again in
-draft.onnx (an ONNX model is one graph), so an export with heads holds them twice on disk.
+Everything comes from the graph's DraftGraphSpec: the sample inputs the exporter traces and the check
+runs (`ir.draft.sample_inputs`), the dynamic row dimension N of every input, the output names, and
+the buffers ORT writes into. For draft heads (rewrites.DraftHeads) that is hidden [N, H], tokens
+[N, K], head [N] -> logits [N, D], vocab [D]. Weights the draft graph shares with the step (the LM
+head or its rows, the embedding) are stored again in draft.onnx: an ONNX model is one graph.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
-import numpy as np
 import torch
 import torch.fx
 
+from specpass.backends.ort import TOLERANCE, bind, ort_session
 from specpass.errors import ExportError
-from specpass.heads.modules import HeadsConfig
-from specpass.ir import ArchSpec
+from specpass.ir.draft import ROWS, DraftGraphSpec, sample_inputs
+from specpass.passes import pass_type
 
 DRAFT_FILE = "draft.onnx"
-DRAFT_INPUTS = ("hidden", "tokens", "head")
-DRAFT_OUTPUTS = ("logits", "vocab")
 
 
-def _sample(arch: ArchSpec, config: HeadsConfig, dtype: torch.dtype, rows: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return {
-        "hidden": torch.randn(rows, arch.hidden_size, generator=gen).to(dtype),
-        "tokens": torch.randint(0, arch.vocab_size, (rows, config.num_heads), generator=gen),
-        "head": torch.arange(rows) % config.num_heads,
-    }
-
-
-def export_draft(draft: torch.fx.GraphModule, config: HeadsConfig, arch: ArchSpec, dtype: torch.dtype,
-                 out_dir: str, check: bool, quiet) -> dict:  # fmt: skip
-    """Write draft.onnx; returns its manifest entry (with the ORT/PyTorch check's max |diff|)."""
-    rows = torch.export.Dim("N", min=1, max=4096)
-    dynamic = {"hidden": {0: rows}, "tokens": {0: rows}, "head": {0: rows}}
+def export_draft(draft: torch.fx.GraphModule, spec: DraftGraphSpec, dtype: torch.dtype, out_dir: str, check: bool,
+                 quiet) -> dict:  # fmt: skip
+    """Write draft.onnx; returns its manifest entry (the spec, with the ORT/PyTorch check's max |diff|)."""
+    rows = torch.export.Dim(ROWS, min=1, max=4096)
+    dynamic = {t.name: {i: rows for i, d in enumerate(t.shape) if d == ROWS} for t in spec.inputs}
     try:
         with quiet():
-            program = torch.onnx.export(draft, (), kwargs=_sample(arch, config, dtype, 3), dynamo=True,
-                                        dynamic_shapes=dynamic, input_names=list(DRAFT_INPUTS),
-                                        output_names=list(DRAFT_OUTPUTS), optimize=True)  # fmt: skip
+            program = torch.onnx.export(draft, (), kwargs=sample_inputs(spec, dtype, 3), dynamo=True,
+                                        dynamic_shapes=dynamic, input_names=list(spec.input_names),
+                                        output_names=list(spec.output_names), optimize=True)  # fmt: skip
     except Exception as exc:
         raise ExportError(f"torch.onnx.export of the draft graph failed: {type(exc).__name__}: {str(exc)[:600]}") from exc
     path = os.path.join(out_dir, DRAFT_FILE)
     program.save(path)
-    entry = {"file": DRAFT_FILE, "heads": dataclasses.asdict(config), "inputs": list(DRAFT_INPUTS),
-             "outputs": list(DRAFT_OUTPUTS)}  # fmt: skip
+    entry = {"file": DRAFT_FILE, "spec": spec.to_dict()}
     if check:
-        entry["check_max_abs_diff"] = _check(path, draft, arch, config, dtype)
+        entry["check_max_abs_diff"] = _check(path, draft, spec, dtype)
     return entry
 
 
-def _check(path: str, draft: torch.fx.GraphModule, arch: ArchSpec, config: HeadsConfig, dtype: torch.dtype) -> float:
+def _check(path: str, draft: torch.fx.GraphModule, spec: DraftGraphSpec, dtype: torch.dtype) -> float:
+    """onnx.checker, then ORT against PyTorch on 5 sample rows: integer outputs equal, float outputs
+    within the exporter's tolerance; returns the largest float difference."""
     import onnx
 
-    from specpass.backends.onnx_export import TOLERANCE
-    from specpass.backends.onnxrt import ort_session
-
     onnx.checker.check_model(path, full_check=True)
-    inputs = _sample(arch, config, dtype, 5)
+    inputs = sample_inputs(spec, dtype, 5)
     with torch.no_grad():
-        expected, vocab = draft(**inputs)
-    got, got_vocab = ort_session(path, torch.device("cpu")).run(None, {k: v.numpy() for k, v in inputs.items()})
-    if not torch.equal(torch.from_numpy(got_vocab), vocab.cpu()):
-        raise ExportError("the draft graph on ORT returns another draft vocabulary than PyTorch")
-    diff = float((torch.from_numpy(got).float() - expected.float()).abs().max())
-    if not diff <= TOLERANCE[dtype]:
-        raise ExportError(f"the draft graph on ORT differs from PyTorch by {diff:.3g} (> {TOLERANCE[dtype]})")
-    return diff
+        expected = draft(**inputs)
+    got = ort_session(path, torch.device("cpu")).run(None, {k: v.numpy() for k, v in inputs.items()})
+    worst = 0.0
+    for out, mine, theirs in zip(spec.outputs, expected, got):
+        theirs = torch.from_numpy(theirs)
+        if not mine.dtype.is_floating_point:
+            if not torch.equal(theirs, mine.cpu()):
+                raise ExportError(f"the draft graph's output {out.name} differs between ORT and PyTorch")
+            continue
+        worst = max(worst, float((theirs.float() - mine.float()).abs().max()))
+    if not worst <= TOLERANCE[dtype]:
+        raise ExportError(f"the draft graph on ORT differs from PyTorch by {worst:.3g} (> {TOLERANCE[dtype]})")
+    return worst
 
 
 class OrtDraft:
-    """draft.onnx on an ORT session, called like a program's draft graph (drafters.DraftModel)."""
+    """draft.onnx on an ORT session, called like a program's draft graph (drafters.DraftModel).
 
-    def __init__(self, directory: str, entry: dict, device: torch.device, session_factory):
-        heads = dict(entry["heads"])
-        heads["accuracy"] = tuple(tuple(row) for row in heads.get("accuracy", ()))
-        self.config = HeadsConfig(**heads)
+    Inputs and outputs are bound with IOBinding to torch tensors on the program's device (outputs
+    allocated from the spec), so a draft call on the CUDA EP never goes through host memory.
+    """
+
+    def __init__(self, directory: str, entry: dict, device: torch.device, dtype: torch.dtype):
+        data = entry["spec"]
+        self.spec = DraftGraphSpec.from_dict(data, pass_type(data["source"]).config_from_dict(data["config"]))
         self.device = device
-        self.session = session_factory(os.path.join(directory, entry["file"]), device)
+        self.dtype = dtype
+        self.session = ort_session(os.path.join(directory, entry["file"]), device)
 
-    def __call__(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        feeds = {"hidden": hidden.detach().cpu().numpy(), "tokens": tokens.cpu().numpy().astype(np.int64),
-                 "head": head.cpu().numpy().astype(np.int64)}  # fmt: skip
-        logits, vocab = self.session.run(None, feeds)  # [N, D], [D]: small, the KV cache is not involved
-        return torch.from_numpy(logits).to(self.device), torch.from_numpy(vocab).to(self.device)
+    @property
+    def config(self):
+        return self.spec.config
+
+    def __call__(self, *args: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs.update(zip(self.spec.input_names, args))
+        first = self.spec.inputs[0]
+        rows = inputs[first.name].shape[first.shape.index(ROWS)]
+        feeds = {t.name: inputs[t.name].to(self.device, t.torch_dtype(self.dtype)).contiguous()
+                 for t in self.spec.inputs}  # fmt: skip
+        outputs = {t.name: torch.empty(t.concrete_shape(rows), dtype=t.torch_dtype(self.dtype), device=self.device)
+                   for t in self.spec.outputs}  # fmt: skip
+        binding = bind(self.session, self.device, feeds, outputs)
+        binding.synchronize_inputs()
+        self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        return tuple(outputs[name] for name in self.spec.output_names)

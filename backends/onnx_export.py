@@ -31,15 +31,11 @@ from torch import nn
 
 from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, kv_as_io
 from specpass.backends.onnx_draft import export_draft
+from specpass.backends.ort import MANIFEST_VERSION, TOLERANCE, ort_session
 from specpass.errors import ExportError, SpecpassError
-from specpass.ir import ArchSpec, arch_of, capture
-from specpass.ir.roles import DRAFT_MODULE
+from specpass.ir import ArchSpec, arch_of, capture, draft_graph, draft_spec
 from specpass.passes import Pipeline
-from specpass.rewrites.draft_heads import DRAFT_META
-
-MANIFEST_VERSION = 1
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on the check's outputs
 EXPORTABLE_PASSES = ("TreeAttention", "DraftHeads")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -151,9 +147,8 @@ def export(
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     draft = None
-    if hasattr(step, DRAFT_MODULE):  # draft heads: their graph goes to draft.onnx
-        heads = step.meta[DRAFT_META]
-        draft = export_draft(getattr(step, DRAFT_MODULE), heads, arch, dtype, out_dir, check, _quiet_exporter)
+    if draft_graph(step) is not None:  # a draft graph (ir.draft) goes to draft.onnx
+        draft = export_draft(draft_graph(step), draft_spec(step), dtype, out_dir, check, _quiet_exporter)
     bar.update()
     diffs = None
     if check:
@@ -217,8 +212,6 @@ def check_onnx(onnx_path: str, step: torch.fx.GraphModule, arch: ArchSpec, dtype
     Returns the max |ORT - PyTorch| per output of the tree step; raises ExportError past TOLERANCE.
     """
     import onnx
-
-    from specpass.backends.onnxrt import ort_session
 
     try:
         onnx.checker.check_model(onnx_path, full_check=True)

@@ -2,70 +2,36 @@
 
 KV cache. Two torch tensors [L, 1, KV, S, D] (on the CPU, or on the GPU with the CUDA EP) are the
 step's `past_keys` / `past_values` inputs as they are: slots at and past the committed length are
-hidden by `past_mask`. S grows in buckets of KV_BUCKET slots (the buffer is reallocated and copied
-when the committed prefix outgrows it), so the step attends over at most KV_BUCKET - 1 spare slots.
+hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in buckets of KV_BUCKET
+slots (the buffer is reallocated and copied when the committed prefix outgrows it), so the step
+attends over at most KV_BUCKET - 1 spare slots.
 After a verify step `commit` copies the accepted path's entries of `new_keys` / `new_values` into
 consecutive slots: compaction without recompute, as in the PyTorch lowering.
 
 Inputs and outputs are bound with IOBinding to torch tensors' memory: the KV cache never leaves the
 device and is never copied between steps. With `cuda_graphs=True` on the CUDA EP every input and
-output lives in a static buffer per (tree-size bucket, cache bucket), the tree padded like the
-PyTorch CUDA-graph lowering, and ORT captures one CUDA graph per bucket (`gpu_graph_id`).
+output lives in a static buffer per (tree-size bucket, cache bucket), the tree padded by the
+PyTorch CUDA-graph lowering's own helper (`backends.buckets`), and ORT captures one CUDA graph per
+bucket (`gpu_graph_id`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from specpass.backends.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
 from specpass.backends.onnx_draft import OrtDraft
+from specpass.backends.ort import bind, ort_session, read_manifest
 from specpass.backends.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
+from specpass.ir.layout import SlotLayout
 from specpass.passes import Pipeline
-from specpass.rewrites import TreeAttention
 
-KV_BUCKET = 256
-_NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32, torch.float16: np.float16}
 _TORCH = {"float32": torch.float32, "float16": torch.float16}
-
-
-def ort_session(onnx_path: str, device: torch.device, cuda_graphs: bool = False):
-    """An ORT session on the CPU EP, or the CUDA EP (optionally with CUDA graphs) for a CUDA device."""
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise SpecpassError(
-            "the ONNX Runtime backend needs onnxruntime: pip install 'specpass[cpu]' (or 'specpass[gpu]' for CUDA)"
-        ) from exc
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3  # errors only
-    if device.type == "cuda":
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise SpecpassError("the CUDA EP is not available: install onnxruntime-gpu ('specpass[gpu]')")
-        cuda = {"device_id": device.index or 0, "enable_cuda_graph": "1" if cuda_graphs else "0"}
-        providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
-    else:
-        providers = ["CPUExecutionProvider"]
-    return ort.InferenceSession(onnx_path, options, providers=providers)
-
-
-def read_manifest(directory: str) -> dict:
-    if not os.path.isdir(directory):
-        raise SpecpassError(f"no specpass export at {directory!r}: the directory does not exist")
-    path = os.path.join(directory, "manifest.json")
-    if not os.path.exists(path):
-        raise SpecpassError(f"{directory} holds no specpass export (no manifest.json); run `specpass export -o DIR`")
-    with open(path) as f:
-        manifest = json.load(f)
-    if manifest.get("format_version") != 1:
-        raise SpecpassError(f"{path}: unknown manifest format {manifest.get('format_version')!r}")
-    return manifest
 
 
 class OrtProgram(DecodeProgram):
@@ -91,9 +57,8 @@ class OrtProgram(DecodeProgram):
             raise InvalidParameterError(f"cache_size must be an int >= 2, got {cache_size!r}")
         self.manifest = read_manifest(directory)
         self.pipeline = Pipeline.from_dict(self.manifest["pipeline"])
-        tree = next((p for p in self.pipeline if isinstance(p, TreeAttention)), None)
-        self.tree = tree is not None
-        self.max_nodes = tree.max_nodes if tree is not None else 16
+        self.verifies_trees = self.pipeline.verifies_trees()
+        self.max_nodes = self.pipeline.largest_tree()
         if max_nodes is not None:
             if not isinstance(max_nodes, int) or not 1 <= max_nodes <= self.max_nodes:
                 raise InvalidParameterError(f"max_nodes must be an int in [1, {self.max_nodes}], got {max_nodes!r}")
@@ -103,12 +68,12 @@ class OrtProgram(DecodeProgram):
             raise InvalidParameterError("cuda_graphs needs device='cuda'")
         self.cuda_graphs = cuda_graphs
         self.session = ort_session(os.path.join(directory, "model.onnx"), self.device, cuda_graphs)
-        if "draft" in self.manifest:
-            self.draft = OrtDraft(directory, self.manifest["draft"], self.device, ort_session)
         self.cache_size = cache_size
         self.eos_token_ids = tuple(self.manifest["eos_token_ids"])
         self.vocab_size = int(self.manifest["vocab_size"])
         self.dtype = _TORCH[self.manifest["dtype"]]
+        if "draft" in self.manifest:
+            self.draft = OrtDraft(directory, self.manifest["draft"], self.device, self.dtype)
         m = self.manifest
         self._kv_shape = (m["num_layers"], 1, m["num_kv_heads"], m["head_dim"])
         self.keys = self._zeros_cache(KV_BUCKET)  # [L, 1, KV, S, D]
@@ -125,29 +90,33 @@ class OrtProgram(DecodeProgram):
         have = self.keys.shape[3]
         if slots <= have:
             return
-        grown = -(-slots // KV_BUCKET) * KV_BUCKET
+        grown = kv_bucket(slots)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = self._zeros_cache(grown)
             new[:, :, :, :have] = old
             setattr(self, name, new)
 
-    def forward(self, tokens, positions, tree_mask, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        t = tokens.shape[0]
-        self._reserve(start + 1)
-        slots = self.keys.shape[3]
-        past_mask = (torch.arange(slots, device=self.device) < start).expand(1, t, slots)  # [1, T, S]
-        inputs = {
-            "input_ids": tokens[None], "positions": positions[None], "past_keys": self.keys,
-            "past_values": self.values, "past_mask": past_mask, "tree_mask": tree_mask[None],
+    def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: SlotLayout) -> dict:
+        """The functional step's inputs (backends.kv_io) for input_ids / positions [1, T] laid out by `layout`."""
+        return {
+            "input_ids": input_ids, "positions": positions, "past_keys": self.keys, "past_values": self.values,
+            "past_mask": layout.prefix_mask(self.keys.shape[3])[None], "tree_mask": layout.ancestors[None],
         }  # fmt: skip
-        outputs = self._run_graph(inputs, t) if self.cuda_graphs else self._run(inputs, t)
+
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        self._reserve(layout.committed + 1)
+        if self.cuda_graphs:
+            outputs = self._run_graph(tokens[None], layout)
+        else:
+            outputs = self._run(self._inputs(tokens[None], layout.positions()[None], layout), layout.size)
         self._new = (outputs["new_keys"], outputs["new_values"])
         return outputs["logits"][0], outputs["hidden"][0]
 
-    def commit(self, start: int, path: Sequence[int]) -> None:
+    def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
         if self._new is None:
             raise SpecpassError("commit before any forward")
+        start = layout.committed
         self._reserve(start + len(path))
         nodes = torch.tensor(list(path), device=self.device)
         for cache, new in zip((self.keys, self.values), self._new):
@@ -163,50 +132,34 @@ class OrtProgram(DecodeProgram):
             "new_values": torch.empty(layers, batch, heads, t, dim, **kw),
         }
 
-    def _bind(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
-        binding = self.session.io_binding()
-        device = self.device.type
-        index = self.device.index or 0
-        for name, tensor in inputs.items():  # contiguous tensors, alive until the run (ORT reads their memory)
-            binding.bind_input(name, device, index, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
-        for name, tensor in outputs.items():
-            binding.bind_output(name, device, index, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
-        return binding
-
     def _run(self, inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
         outputs = self._outputs(t)
         inputs = {name: tensor.contiguous() for name, tensor in inputs.items()}
-        binding = self._bind(inputs, outputs)
+        binding = bind(self.session, self.device, inputs, outputs)
         binding.synchronize_inputs()
         self.session.run_with_iobinding(binding)
         binding.synchronize_outputs()
         return outputs
 
-    def _run_graph(self, inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
-        """CUDA-graph path: copy into the bucket's static buffers (the tree padded to a power of two:
-        padded nodes see only themselves), replay, and return views of the real nodes' outputs."""
+    def _run_graph(self, input_ids: torch.Tensor, layout: SlotLayout) -> dict[str, torch.Tensor]:
+        """CUDA-graph path: pad the step to its tree bucket (backends.buckets), copy into the bucket's
+        static buffers, replay, and return views of the real nodes' outputs."""
         import onnxruntime as ort
 
-        tb = 1 << (t - 1).bit_length()
+        tb = tree_bucket(layout.size)
         key = (tb, self.keys.shape[3])
+        ids, positions, padded = pad_step(input_ids, layout, tb)
+        inputs = self._inputs(ids, positions, padded)
         if key not in self._graphs:
-            static = {
-                "input_ids": torch.zeros(1, tb, dtype=torch.long, device=self.device),
-                "positions": torch.zeros(1, tb, dtype=torch.long, device=self.device),
-                "past_keys": self.keys, "past_values": self.values,
-                "past_mask": torch.zeros(1, tb, key[1], dtype=torch.bool, device=self.device),
-                "tree_mask": torch.zeros(1, tb, tb, dtype=torch.bool, device=self.device),
-            }  # fmt: skip
+            static = {name: value.contiguous().clone() for name, value in inputs.items()}
+            static["past_keys"], static["past_values"] = self.keys, self.values
             outputs = self._outputs(tb)
-            self._graphs[key] = (static, outputs, self._bind(static, outputs))
+            self._graphs[key] = (static, outputs, bind(self.session, self.device, static, outputs))
         static, outputs, binding = self._graphs[key]
-        static["input_ids"].zero_()[:, :t] = inputs["input_ids"]
-        static["positions"][:, :t] = inputs["positions"]
-        static["positions"][:, t:] = inputs["positions"][:, -1:] + torch.arange(1, tb - t + 1, device=self.device)
-        static["past_mask"].zero_()[:, :t] = inputs["past_mask"]
-        static["tree_mask"].copy_(torch.eye(tb, dtype=torch.bool, device=self.device)[None])
-        static["tree_mask"][:, :t, :t] = inputs["tree_mask"]
+        for name in ("input_ids", "positions", "past_mask", "tree_mask"):
+            static[name].copy_(inputs[name])
         run_options = ort.RunOptions()
         run_options.add_run_config_entry("gpu_graph_id", str(list(self._graphs).index(key) + 1))
         self.session.run_with_iobinding(binding, run_options)
+        t = layout.size
         return {name: value[:, :, :, :t] if name.startswith("new_") else value[:, :t] for name, value in outputs.items()}

@@ -21,6 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 from specpass.backends.cost import CostCurve
+from specpass.ir.layout import SlotLayout
 
 
 class FastestPerSize:
@@ -68,6 +69,5 @@ class FastestPerSize:
             return self.default
         return min(self._curves, key=lambda kind: self._curves[kind].latency(size))
 
-    def __call__(self, **inputs):
-        size = inputs["input_ids"].shape[-1]  # input_ids [1, T]
-        return self.steps[self.kind_for(size)](**inputs)
+    def __call__(self, input_ids, layout: SlotLayout):
+        return self.steps[self.kind_for(layout.size)](input_ids, layout)

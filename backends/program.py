@@ -20,9 +20,7 @@ from specpass.backends.kv import compact
 from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import Drafter
-from specpass.heads.modules import HeadsConfig
-from specpass.ir import capture
-from specpass.rewrites.draft_heads import DRAFT_META
+from specpass.ir import DraftGraphSpec, SlotLayout, capture, draft_spec
 
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
@@ -30,29 +28,35 @@ PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is
 
 @dataclass(frozen=True)
 class LoweredDraft:
-    """A lowered draft graph with its heads' config: what drafters see as `DraftModel`."""
+    """A lowered draft graph with its spec: what drafters see as `drafters.DraftModel`."""
 
-    run: Callable  # called with the draft graph's inputs as keywords
-    config: HeadsConfig
+    run: Callable[[dict], tuple]  # the lowered graph: run(inputs by name) -> outputs
+    spec: DraftGraphSpec
 
-    def __call__(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.run(hidden=hidden, tokens=tokens, head=head)  # logits [N, D], vocab [D]
+    @property
+    def config(self):
+        """The draft graph's own config (heads: HeadsConfig)."""
+        return self.spec.config
+
+    def __call__(self, *args: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The spec's inputs, positionally in its order or by name; returns the spec's outputs."""
+        inputs.update(zip(self.spec.input_names, args))
+        return self.run(inputs)
 
 
 class DecodeProgram(ABC):
     """A verify step with its KV cache, the drafter feeding it, and the device's measured cost curve.
 
-    Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), tree (False: chains only),
-    eos_token_ids, vocab_size (token ids the embedding takes), and implement `forward` and `commit`.
+    Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), verifies_trees (False:
+    draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), and implement
+    `forward` and `commit`.
     budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
     """
 
     device: torch.device
     cache_size: int
     max_nodes: int
-    tree: bool
+    verifies_trees: bool
     eos_token_ids: tuple[int, ...]
     vocab_size: int
 
@@ -63,21 +67,16 @@ class DecodeProgram(ABC):
         self.drafter_memory = drafter.new_memory()
         self._cost: cost.CostCurve | None = None
 
-    draft = None  # the draft graph (rewrites.DraftHeads) as a callable, when the pipeline has one
+    draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
 
     @abstractmethod
-    def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run T tokens whose K/V go to slots [start, start + T); returns logits [T, V], hidden [T, H].
-
-        tokens, positions: [T] int64; tree_mask: [T, T] ancestor mask (lower-triangular all-True, a
-        chain, when the program has no TreeAttention). Slots [0, start) are the committed prefix.
-        """
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run tokens [T] int64 laid out by `layout` (its ancestor mask is a chain's when the program
+        does not verify trees); returns logits [T, V], hidden [T, H]."""
 
     @abstractmethod
-    def commit(self, start: int, path: Sequence[int]) -> None:
-        """Keep the K/V of tree nodes `path` (root first) in slots start, start + 1, ..."""
+    def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
+        """Keep the K/V of the step's nodes `path` (root first) in slots committed, committed + 1, ..."""
 
     def forget(self) -> None:
         """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
@@ -113,18 +112,13 @@ class SpeculativeProgram(DecodeProgram):
         self.k_cache, self.v_cache = gm.k_cache, gm.v_cache
         self.device = self.k_cache.device
         self.cache_size = self.k_cache.shape[3]
-        self.tree = "tree_mask" in self.step.input_names
+        self.verifies_trees = options.pipeline.verifies_trees()
         self.max_nodes = self.step.max_nodes
         if self.step.draft is not None:
-            self.draft = LoweredDraft(self.step.draft, gm.meta[DRAFT_META])
+            self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
 
-    def forward(self, tokens, positions, tree_mask, start: int) -> torch.Tensor:
-        t = tokens.shape[0]
-        inputs = {"input_ids": tokens[None], "positions": positions[None], "kv_len": start + t}
-        if self.tree:
-            inputs["tree_mask"] = tree_mask[None]
-            inputs["cache_slots"] = torch.arange(start, start + t, device=self.device)
-        logits, hidden = self.step(**inputs)[:2]
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = self.step(tokens[None], layout)[:2]  # [1, T, V], [1, T, H]
         return logits[0], hidden[0]
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
@@ -142,11 +136,10 @@ class SpeculativeProgram(DecodeProgram):
                 curves[kind] = super().measure_cost(measured, kv_len)
         return run.choose(curves).subset(sizes)
 
-    def commit(self, start: int, path: Sequence[int]) -> None:
-        moved = [(start + node, start + i) for i, node in enumerate(path) if node != i]
-        if moved:
-            src = torch.tensor([s for s, _ in moved], device=self.device)
-            dst = torch.tensor([d for _, d in moved], device=self.device)
+    def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
+        src, dst = layout.moves(path)
+        if src:
+            src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
             compact(self.k_cache, self.v_cache, src, dst)
 
 

@@ -1,20 +1,35 @@
-"""Capture of HF causal LMs into annotated FX decode-step graphs, and the graph invariants."""
+"""Capture of HF causal LMs into annotated FX decode-step graphs, and the graph invariants.
 
-from specpass.ir.arch import SUPPORTED_ARCHITECTURES, ArchSpec, arch_spec
-from specpass.ir.capture import arch_of, capture, copy_step, is_captured_step
+ir/ is the bottom layer: it imports nothing from passes/, rewrites/ or backends/.
+"""
+
+from specpass.ir.arch import ArchSpec, arch_spec
+from specpass.ir.capture import arch_of, capture, copy_step, is_captured_step, model_parts
+from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, draft_spec
+from specpass.ir.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of
+from specpass.ir.layout import SlotLayout
 from specpass.ir.roles import NodeInfo, Role, info
 from specpass.ir.verify import verify
 
 __all__ = [
+    "FAMILIES",
     "SUPPORTED_ARCHITECTURES",
     "ArchSpec",
+    "DraftGraphSpec",
+    "DraftTensor",
+    "Family",
     "NodeInfo",
     "Role",
+    "SlotLayout",
     "arch_of",
     "arch_spec",
     "capture",
     "copy_step",
+    "draft_graph",
+    "draft_spec",
+    "family_of",
     "info",
     "is_captured_step",
+    "model_parts",
     "verify",
 ]

@@ -6,14 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.errors import UnsupportedArchitectureError
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+from specpass.ir.families import family_of
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Shape parameters of a Llama-family decoder, read from the HF config."""
+    """Shape parameters of a decoder of a registered family (ir.families), read from the HF config."""
 
     architecture: str
     num_layers: int
@@ -30,24 +28,6 @@ class ArchSpec:
         return self.num_heads // self.num_kv_heads
 
 
-def architecture_name(model: torch.nn.Module) -> str:
-    return type(model).__name__
-
-
-def check_supported(name: str) -> None:
-    if name not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"specpass cannot capture {name!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-
-def _sliding_window(config) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
-        return None
-    return window
-
-
 def _eos_ids(model) -> tuple[int, ...]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
@@ -58,20 +38,19 @@ def _eos_ids(model) -> tuple[int, ...]:
 
 
 def arch_spec(model: torch.nn.Module) -> ArchSpec:
-    """Read the ArchSpec of `model`, raising UnsupportedArchitectureError for anything else."""
-    name = architecture_name(model)
-    check_supported(name)
+    """Read the ArchSpec of `model`, raising UnsupportedArchitectureError for an unregistered family."""
+    family = family_of(model)
     config = model.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ArchSpec(
-        architecture=name,
+        architecture=type(model).__name__,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab_size=config.vocab_size,
-        sliding_window=_sliding_window(config),
+        sliding_window=family.sliding_window(config),
         eos_token_ids=_eos_ids(model),
     )

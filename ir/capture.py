@@ -11,10 +11,13 @@ from torch import nn
 from specpass.errors import InvalidParameterError
 from specpass.ir import decode_step as ds
 from specpass.ir.arch import ArchSpec, arch_spec
-from specpass.ir.roles import DRAFT_MODULE, META_KEY, NodeInfo, Role
+from specpass.ir.draft import DRAFT_MODULE
+from specpass.ir.families import ModelParts, family_of
+from specpass.ir.roles import META_KEY, NodeInfo, Role
 from specpass.ir.verify import verify
 
 ARCH_META = "specpass_arch"
+PARTS_META = "specpass_parts"  # the model's own submodules (ir.families.ModelParts), for passes that reuse them
 INPUT_NAMES = ("input_ids", "positions", "kv_len")
 
 _MODULE_ROLES: dict[type, Role] = {
@@ -27,12 +30,16 @@ _MODULE_ROLES: dict[type, Role] = {
     ds.Attention: Role.ATTENTION,
     ds.DecoderBlock: Role.RESIDUAL,
 }
-_NAMED_ROLES = {
+_NAMED_ROLES = {  # attribute names of the family's submodules in ds.DecodeStep
     "embed_tokens": Role.EMBED,
     "q_proj": Role.Q,
     "k_proj": Role.K,
     "v_proj": Role.V,
     "o_proj": Role.O,
+    "input_layernorm": Role.NORM,
+    "post_attention_layernorm": Role.NORM,
+    "norm": Role.NORM,
+    "mlp": Role.MLP,
     "lm_head": Role.LM_HEAD,
 }
 
@@ -41,13 +48,7 @@ def _role_of_module(name: str, module_type: type) -> Role | None:
     leaf = name.rsplit(".", 1)[-1]
     if leaf in _NAMED_ROLES:
         return _NAMED_ROLES[leaf]
-    if module_type in _MODULE_ROLES:
-        return _MODULE_ROLES[module_type]
-    if module_type.__name__.endswith("RMSNorm"):
-        return Role.NORM
-    if module_type.__name__.endswith("MLP"):
-        return Role.MLP
-    return None
+    return _MODULE_ROLES.get(module_type)
 
 
 def _layer_of(path: str) -> int | None:
@@ -91,7 +92,8 @@ def capture(model: nn.Module, cache_size: int = 2048, batch_size: int = 1) -> to
     """Capture `model` (a supported HF causal LM) as an annotated decode-step GraphModule.
 
     The static KV cache ([L, B, KV, cache_size, D] for keys and for values) lives in the module's
-    buffers `k_cache` / `v_cache`; `gm.meta["specpass_arch"]` holds the model's ArchSpec.
+    buffers `k_cache` / `v_cache`; `gm.meta["specpass_arch"]` holds the model's ArchSpec and
+    `gm.meta["specpass_parts"]` its family's ModelParts (`model_parts`).
     """
     spec = arch_spec(model)
     if cache_size < 2:
@@ -107,19 +109,27 @@ def capture(model: nn.Module, cache_size: int = 2048, batch_size: int = 1) -> to
     shape = (spec.num_layers, batch_size, spec.num_kv_heads, cache_size, spec.head_dim)
     k_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
     v_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
-    step = ds.DecodeStep(model, spec, k_cache, v_cache).eval()
+    parts = family_of(model).parts(model)
+    step = ds.DecodeStep(parts, spec, k_cache, v_cache).eval()
     tracer = _AnnotatingTracer()
     graph = tracer.trace(step)
     gm = torch.fx.GraphModule(step, graph, class_name="DecodeStepGraph")
     for node in gm.graph.nodes:
         node.meta[META_KEY] = _node_info(node)
     gm.meta[ARCH_META] = spec
+    gm.meta[PARTS_META] = parts
     verify(gm)
     return gm
 
 
 def arch_of(gm: torch.fx.GraphModule) -> ArchSpec:
     return gm.meta[ARCH_META]
+
+
+def model_parts(gm: torch.fx.GraphModule) -> ModelParts:
+    """The captured model's own submodules (the step's graph inlines them; a draft graph that runs part
+    of the model, e.g. its first layers, builds on these, so its weights are the model's)."""
+    return gm.meta[PARTS_META]
 
 
 def is_captured_step(gm: torch.fx.GraphModule) -> bool:

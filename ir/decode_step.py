@@ -1,8 +1,10 @@
-"""A Llama-family decode step over a static KV cache, written as plain torch so that FX can trace it.
+"""A decoder-only LM's decode step over a static KV cache, written as plain torch so that FX can trace it.
 
-The module reuses the Hugging Face model's own submodules (embedding, projections, norms, MLPs, LM
-head): weights are shared, never copied, and every numerically relevant op follows the HF modeling code
-so that float32 greedy decoding matches HF token for token.
+The module reuses the Hugging Face model's own submodules, as its family lists them (`ir.families`:
+embedding, projections, norms, MLPs, LM head): weights are shared, never copied, and every
+numerically relevant op follows the HF modeling code so that float32 greedy decoding matches HF
+token for token. The capture assigns roles by this module's own attribute names (`q_proj`,
+`input_layernorm`, `mlp`, ...), never by the HF classes' names.
 
 Inputs of `DecodeStep.forward`:
     input_ids  [B, T]  int64   tokens to run
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpass.ir.arch import ArchSpec
+from specpass.ir.families import LayerParts, ModelParts
 
 
 class RotaryPositions(nn.Module):
@@ -75,34 +78,28 @@ class CacheWrite(nn.Module):
 
 
 class AttentionCore(nn.Module):
+    """Grouped-query attention: SDPA reads each K/V head for its group of query heads
+    (`enable_gqa`), so the visible cache is never copied per query head."""
+
     def __init__(self, groups: int, scale: float):
         super().__init__()
-        self.groups = groups
+        self.gqa = groups > 1
         self.scale = scale
 
     def forward(self, q, k, v, mask):  # q [B, H, T, D], k/v [B, KV, S, D], mask [B, 1, T, S]
-        k = _repeat_kv(k, self.groups)  # [B, H, S, D]
-        v = _repeat_kv(v, self.groups)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H, T, D]
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return x
-    b, kv, s, d = x.shape
-    return x[:, :, None, :, :].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_attn: nn.Module, spec: ArchSpec):
+    def __init__(self, parts: LayerParts, spec: ArchSpec):
         super().__init__()
-        self.q_proj, self.k_proj = hf_attn.q_proj, hf_attn.k_proj
-        self.v_proj, self.o_proj = hf_attn.v_proj, hf_attn.o_proj
+        self.q_proj, self.k_proj = parts.q_proj, parts.k_proj
+        self.v_proj, self.o_proj = parts.v_proj, parts.o_proj
         self.head_dim = spec.head_dim
         self.rope = ApplyRope()
         self.k_write = CacheWrite()
         self.v_write = CacheWrite()
-        self.core = AttentionCore(spec.kv_groups, float(getattr(hf_attn, "scaling", spec.head_dim**-0.5)))
+        self.core = AttentionCore(spec.kv_groups, parts.attention_scale)
 
     def forward(self, x, cos, sin, mask, slots, kv_len, k_cache, v_cache):  # x [B, T, H*D]
         b, t = x.shape[0], x.shape[1]
@@ -118,12 +115,12 @@ class Attention(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, hf_layer: nn.Module, spec: ArchSpec):
+    def __init__(self, parts: LayerParts, spec: ArchSpec):
         super().__init__()
-        self.input_layernorm = hf_layer.input_layernorm
-        self.self_attn = Attention(hf_layer.self_attn, spec)
-        self.post_attention_layernorm = hf_layer.post_attention_layernorm
-        self.mlp = hf_layer.mlp
+        self.input_layernorm = parts.input_norm
+        self.self_attn = Attention(parts, spec)
+        self.post_attention_layernorm = parts.post_attention_norm
+        self.mlp = parts.mlp
 
     def forward(self, h, cos, sin, mask, slots, kv_len, k_cache, v_cache):  # h [B, T, H]
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, slots, kv_len, k_cache, v_cache)
@@ -133,16 +130,15 @@ class DecoderBlock(nn.Module):
 class DecodeStep(nn.Module):
     """One forward of the target model over T tokens, reading and writing a static KV cache."""
 
-    def __init__(self, model: nn.Module, spec: ArchSpec, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def __init__(self, parts: ModelParts, spec: ArchSpec, k_cache: torch.Tensor, v_cache: torch.Tensor):
         super().__init__()
-        inner = model.model
-        self.embed_tokens = inner.embed_tokens
-        self.rotary = RotaryPositions(inner.rotary_emb)
+        self.embed_tokens = parts.embed_tokens
+        self.rotary = RotaryPositions(parts.rotary_emb)
         self.mask = CausalMask()
         self.cache_slots = CacheSlots()
-        self.layers = nn.ModuleList(DecoderBlock(layer, spec) for layer in inner.layers)
-        self.norm = inner.norm
-        self.lm_head = model.lm_head
+        self.layers = nn.ModuleList(DecoderBlock(layer, spec) for layer in parts.layers)
+        self.norm = parts.norm
+        self.lm_head = parts.lm_head
         self.register_buffer("k_cache", k_cache, persistent=False)  # [L, B, KV, S_max, D]
         self.register_buffer("v_cache", v_cache, persistent=False)  # [L, B, KV, S_max, D]
 

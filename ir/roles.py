@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch.fx
 
 META_KEY = "specpass"
-DRAFT_MODULE = "draft"  # a step's draft graph (rewrites.DraftHeads), beside the verify graph
 
 
 class Role(enum.Enum):
@@ -29,7 +28,7 @@ class Role(enum.Enum):
     RESIDUAL = "residual"
     NORM = "norm"
     LM_HEAD = "lm_head"
-    DRAFT = "draft"
+    DRAFT = "draft"  # nodes of a draft graph (ir.draft) that have no more specific role
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""Invariants of a captured decode-step graph, checked after capture and after every pass."""
+"""Invariants of a captured decode-step graph, checked after capture and after every pass.
+
+`verify` checks what every step keeps whatever rewrites ran; a pass checks its own invariants in
+`Pass.verify`, which the pass manager runs after this one (passes.manager).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,11 @@ import collections
 import torch.fx
 
 from specpass.errors import GraphVerificationError
-from specpass.ir.roles import DRAFT_MODULE, META_KEY, Role, info, nodes_with_role, placeholder
+from specpass.ir import query
+from specpass.ir.draft import draft_graph, draft_spec
+from specpass.ir.roles import META_KEY, Role, info, placeholder
 
 REQUIRED_INPUTS = ("input_ids", "positions", "kv_len")
-DRAFT_INPUTS = ("hidden", "tokens", "head")
 TREE_INPUTS = ("tree_mask", "cache_slots")
 
 
@@ -18,21 +23,10 @@ def _fail(message: str) -> None:
     raise GraphVerificationError(message)
 
 
-def _sdpa_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [
-        n
-        for n in nodes_with_role(graph, Role.ATTENTION)
-        if n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention
-    ]
-
-
 def verify(gm: torch.fx.GraphModule) -> None:
     """Lint the graph and check specpass's invariants; raises GraphVerificationError."""
     graph = gm.graph
-    try:
-        graph.lint()
-    except Exception as exc:  # fx raises plain RuntimeError/AssertionError on lint failures
-        _fail(f"graph lint failed: {exc}")
+    _lint(graph, "graph")
     num_layers = gm.meta["specpass_arch"].num_layers
     for node in graph.nodes:
         if META_KEY not in node.meta:
@@ -54,41 +48,40 @@ def verify(gm: torch.fx.GraphModule) -> None:
     outputs = [n for n in graph.nodes if n.op == "output"]
     if len(outputs) != 1 or not isinstance(outputs[0].args[0], tuple) or len(outputs[0].args[0]) < 2:
         _fail("the step must return (logits, hidden, ...)")
-    if hasattr(gm, DRAFT_MODULE):
-        _verify_draft(getattr(gm, DRAFT_MODULE), gm)
+    _verify_draft(gm)
 
 
-def _verify_draft(draft: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None:
-    """The draft graph: linted, annotated, reading (hidden, tokens, head), sharing the step's LM head,
-    or holding exactly its rows of the draft vocabulary."""
+def _lint(graph: torch.fx.Graph, what: str) -> None:
     try:
-        draft.graph.lint()
-    except Exception as exc:
-        _fail(f"draft graph lint failed: {exc}")
+        graph.lint()
+    except Exception as exc:  # fx raises plain RuntimeError/AssertionError on lint failures
+        _fail(f"{what} lint failed: {exc}")
+
+
+def _verify_draft(gm: torch.fx.GraphModule) -> None:
+    """A draft graph (ir.draft) and its spec come together; the graph lints, is annotated and takes
+    exactly the spec's inputs, in order."""
+    draft, spec = draft_graph(gm), draft_spec(gm)
+    if draft is None and spec is None:
+        return
+    if draft is None or spec is None:
+        _fail("a draft graph and its DraftGraphSpec must come together")
+    _lint(draft.graph, "draft graph")
     for node in draft.graph.nodes:
         if META_KEY not in node.meta:
             _fail(f"draft node {node.name} has no specpass annotation")
-    inputs = [n.target for n in draft.graph.nodes if n.op == "placeholder"]
-    if inputs != list(DRAFT_INPUTS):
-        _fail(f"the draft graph's inputs are {inputs}, expected {list(DRAFT_INPUTS)}")
-    lm_head = gm.get_submodule("lm_head")
-    vocab_head, vocab = draft.get_submodule("vocab_head"), draft.vocab
-    whole = len(vocab) == lm_head.weight.shape[0] and torch.equal(vocab, torch.arange(len(vocab), device=vocab.device))
-    if vocab_head is lm_head:
-        if not whole:
-            _fail("the draft graph reads the whole LM head but its vocabulary is not the whole vocabulary")
-    elif whole:
-        _fail("without a draft vocabulary the draft graph must share the step's LM head, not a copy")
-    elif not torch.equal(vocab_head.weight, lm_head.weight[vocab]):
-        _fail("the draft graph's vocabulary head is not the LM head's rows of its draft vocabulary")
+    inputs = tuple(n.target for n in draft.graph.nodes if n.op == "placeholder")
+    if inputs != spec.input_names:
+        _fail(f"the draft graph's inputs are {list(inputs)}, its spec declares {list(spec.input_names)}")
 
 
 def _verify_layers(graph: torch.fx.Graph, num_layers: int) -> None:
     per_layer: dict[tuple[int | None, Role], int] = collections.Counter()
     for node in graph.nodes:
-        node_info = info(node)
-        if node.op == "call_module" or (node_info.role is Role.CACHE_WRITE and node.op == "call_method"):
-            per_layer[node_info.layer, node_info.role] += 1
+        if node.op == "call_module":
+            per_layer[info(node).layer, info(node).role] += 1
+    for node in query.cache_writes(graph):
+        per_layer[info(node).layer, Role.CACHE_WRITE] += 1
     for layer in range(num_layers):
         for role in (Role.Q, Role.K, Role.V, Role.O):
             if per_layer[layer, role] != 1:
@@ -98,16 +91,13 @@ def _verify_layers(graph: torch.fx.Graph, num_layers: int) -> None:
 
 
 def _verify_attention(graph: torch.fx.Graph, num_layers: int) -> None:
-    sdpa = _sdpa_nodes(graph)
+    sdpa = query.attention_ops(graph)
     if len(sdpa) != num_layers:
         _fail(f"expected one attention per layer ({num_layers}), found {len(sdpa)}")
-    masks = {n.kwargs.get("attn_mask") for n in sdpa}
-    if len(masks) != 1 or None in masks:
+    mask = query.shared_mask(graph)
+    if mask is None:
         _fail("every attention must read the same attention mask")
-    (mask,) = masks
     if info(mask).role is not Role.MASK:
         _fail(f"attention mask {mask.name} is not annotated as a mask")
-    writes = [n for n in nodes_with_role(graph, Role.CACHE_WRITE) if n.op == "call_method"]
-    indices = {n.args[2] for n in writes}
-    if len(indices) != 1:
+    if query.shared_write_slots(graph) is None:
         _fail("every cache write must use the same slot index")

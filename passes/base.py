@@ -2,7 +2,9 @@
 
 A pass object is an immutable value (a frozen dataclass of validated parameters). It keeps no state
 about the graphs it has seen: `check` reports why it does not match (or None), `rewrite` edits the
-graph in place and returns a PassResult.
+graph in place and returns a PassResult, `verify` checks the invariants the pass established. Every
+concrete subclass is known by its class name to `Pipeline.from_json` (passes.registry): defining the
+class is registering it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class Pass(ABC):
     @abstractmethod
     def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:
         """Rewrite `gm` in place; only called after `check` returned None."""
+
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """Check the invariants this pass established; raises GraphVerificationError. The manager runs
+        it after the generic `ir.verify`, after this pass and after every later one."""
+
+    def largest_tree(self) -> int | None:
+        """The largest token tree the rewritten step verifies, if this pass decides it (TreeAttention)."""
+        return None
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload]

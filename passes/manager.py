@@ -72,8 +72,11 @@ class PassManager:
         self.verifier = verifier
 
     def run(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, PassReport]:
+        """Each pass: check, rewrite, recompile, then the generic verifier and the own invariants
+        (`Pass.verify`) of this pass and of every pass that ran before it."""
         gm = copy_step(gm)
         done: list[str] = []
+        applied: list[Pass] = []
         records: list[PassRecord] = []
         for p in self.passes:
             reason = p.check(gm)
@@ -84,10 +87,13 @@ class PassManager:
                 result = p.rewrite(gm)
                 result.graph_module.recompile()
                 self.verifier(result.graph_module)
+                for q in (*applied, p):
+                    q.verify(result.graph_module)
             except SpecpassError as exc:
                 raise PassPipelineError(f"{p.name} failed after {_names(done)}: {exc}") from exc
             gm = result.graph_module
             done.append(p.name)
+            applied.append(p)
             records.append(PassRecord(p.name, result.modified, result.summary, before, len(gm.graph.nodes)))
         return gm, PassReport(tuple(records))
 

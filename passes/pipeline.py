@@ -11,6 +11,9 @@ import torch.fx
 from specpass.errors import InvalidParameterError, PassPipelineError
 from specpass.passes.base import Pass
 from specpass.passes.manager import PassManager, PassReport, order_passes
+from specpass.passes.registry import known_passes
+
+CHAIN_NODES = 16  # draft-chain length a pipeline without a tree rewrite verifies (the cost budget picks less)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -36,6 +39,15 @@ class Pipeline:
     def has(self, pass_type: type[Pass]) -> bool:
         return any(isinstance(p, pass_type) for p in self.passes)
 
+    def verifies_trees(self) -> bool:
+        """Whether the rewritten step verifies token trees (else draft chains only)."""
+        return any(p.largest_tree() is not None for p in self.passes)
+
+    def largest_tree(self) -> int:
+        """The most tokens one verify step takes: the tree rewrite's `largest_tree`, else CHAIN_NODES."""
+        sizes = [n for p in self.passes if (n := p.largest_tree()) is not None]
+        return max(sizes) if sizes else CHAIN_NODES
+
     def run(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, PassReport]:
         return PassManager(self.passes).run(gm)
 
@@ -47,8 +59,7 @@ class Pipeline:
 
     @classmethod
     def from_dict(cls, data: Mapping, pass_types: Mapping[str, type[Pass]] | None = None) -> Pipeline:
-        if pass_types is None:
-            from specpass.rewrites import PASS_TYPES as pass_types
+        pass_types = known_passes() if pass_types is None else pass_types
         if not isinstance(data, Mapping) or not isinstance(data.get("passes"), list):
             raise PassPipelineError('a pipeline is {"passes": [{"pass": NAME, "params": {...}}, ...]}')
         passes = []

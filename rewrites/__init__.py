@@ -1,8 +1,7 @@
-"""Graph rewrites, one module each. PASS_TYPES maps pass names to classes for Pipeline.from_json."""
+"""Graph rewrites, one module each. Each defines a Pass subclass, known by its class name to
+Pipeline.from_json through passes.registry."""
 
-from specpass.rewrites.draft_heads import DRAFT_HEADS, DraftHeads
-from specpass.rewrites.tree_attention import TREE_ATTENTION, TreeAttention, tree_attention_mask
+from specpass.rewrites.draft_heads import DRAFT_HEADS, HEADS_KIND, DraftHeads
+from specpass.rewrites.tree_attention import TREE_ATTENTION, TreeAttention
 
-PASS_TYPES = {"TreeAttention": TreeAttention, "DraftHeads": DraftHeads}
-
-__all__ = ["DRAFT_HEADS", "PASS_TYPES", "TREE_ATTENTION", "DraftHeads", "TreeAttention", "tree_attention_mask"]
+__all__ = ["DRAFT_HEADS", "HEADS_KIND", "TREE_ATTENTION", "DraftHeads", "TreeAttention"]

@@ -2,7 +2,7 @@
 
 Papers: Medusa, Hydra (and Clover, Chimera, Hidden Transfer for the family); see ../shared/seeds.
 
-Rewrite. The step module gains a second FX graph, `draft` (`heads.modules.DraftStep`): the heads on
+Rewrite. The step module gains a draft graph (`ir.draft`, kind "heads"; `heads.modules.DraftStep`): the heads on
 final hidden states, then `vocab_head` and, for Hydra, the model's own token embedding. `vocab_head`
 is the model's LM head itself (a shared call_module node, never copied weights) or, for heads with a
 draft vocabulary, its rows of that vocabulary (gathered once when the pass runs: D x H derived
@@ -11,30 +11,35 @@ values, not trained; the verifier checks them against the LM head). Every draft 
 hidden state of the last accepted token, after each verify step, to propose the next tree; the
 verify graph's hidden output is what feeds it.
 
+Draft graph: inputs hidden [N, H], tokens [N, K] int64, head [N] int64; outputs logits [N, D] over
+the draft vocabulary and its token ids vocab [D]; config: the heads' `HeadsConfig`.
+
 Invariants. The verify graph is not touched, so its outputs are bit for bit what they were before
 the pass (tested). The heads must have been trained for this model (fingerprint of its LM head):
 anything else is a mismatch, reported with both identities, and the graph is left unchanged.
-Applying the pass twice is refused.
+`vocab_head` is the step's LM head itself when the vocabulary is whole, else exactly its rows of the
+draft vocabulary, never a copy of the whole head (`verify`). Applying the pass twice is refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx
-from torch import nn
 
-from specpass.errors import InvalidParameterError
+from specpass.errors import GraphVerificationError, InvalidParameterError
 from specpass.ir import arch_of
-from specpass.ir.roles import DRAFT_MODULE, META_KEY, NodeInfo, Role
-from specpass.passes.base import Pass, PassResult
+from specpass.ir.draft import ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
+from specpass.ir.roles import Role
+from specpass.passes.draft import DraftGraphPass
 
 DRAFT_HEADS = "draft_heads"
-DRAFT_META = "specpass_draft"  # gm.meta key: the HeadsConfig of the draft graph
+HEADS_KIND = "heads"  # the draft-graph kind drafters.Heads drives
 
 
 @dataclass(frozen=True)
-class DraftHeads(Pass):
+class DraftHeads(DraftGraphPass):
     """kind: "medusa" or "hydra"; heads: a `specpass train-heads` directory, or "default" for the heads
     shipped for the embedded default model."""
 
@@ -56,11 +61,9 @@ class DraftHeads(Pass):
 
         return shipped_heads(self.kind) if self.heads == "default" else self.heads
 
-    def check(self, gm: torch.fx.GraphModule) -> str | None:
+    def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
         from specpass.heads.io import model_fingerprint, read_config
 
-        if hasattr(gm, DRAFT_MODULE):
-            return "the step already has a draft graph (DraftHeads applied twice?)"
         try:
             config = read_config(self.directory())
         except (InvalidParameterError, TypeError, ValueError) as exc:
@@ -78,32 +81,53 @@ class DraftHeads(Pass):
             return f"the heads in {self.directory()} were trained for model {config.model}, this model is {identity}"
         return None
 
-    def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:
+    def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
         from specpass.heads.io import load_heads
+        from specpass.heads.modules import DraftStep
 
-        heads, config = load_heads(self.directory(), gm.get_submodule("lm_head"))
-        draft = trace_draft_step(heads, gm.get_submodule("lm_head"), gm.get_submodule("embed_tokens"))
-        gm.add_submodule(DRAFT_MODULE, draft)
-        gm.meta[DRAFT_META] = config
-        return PassResult(
-            gm, True, f"added a draft graph: {config.num_heads} {config.kind} heads ({len(draft.graph.nodes)} nodes)"
+        lm_head, embed_tokens = gm.get_submodule("lm_head"), gm.get_submodule("embed_tokens")
+        heads, config = load_heads(self.directory(), lm_head)
+        draft = trace_draft(DraftStep(heads, lm_head, embed_tokens),
+                            {"vocab_head": Role.LM_HEAD, "embed_tokens": Role.EMBED})  # fmt: skip
+        arch = arch_of(gm)
+        vocab = config.draft_vocab or arch.vocab_size
+        spec = DraftGraphSpec(
+            kind=HEADS_KIND,
+            source=self.name,
+            inputs=(
+                DraftTensor("hidden", (ROWS, arch.hidden_size), "model"),
+                DraftTensor("tokens", (ROWS, config.num_heads), "int64", bound=arch.vocab_size),
+                DraftTensor("head", (ROWS,), "int64", bound=config.num_heads),
+            ),
+            outputs=(DraftTensor("logits", (ROWS, vocab), "model"), DraftTensor("vocab", (vocab,), "int64")),
+            config=config,
         )
+        return draft, spec, f"{config.num_heads} {config.kind} heads"
+
+    @classmethod
+    def config_from_dict(cls, data: dict):
+        from specpass.heads.modules import HeadsConfig
+
+        data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())))
+        return HeadsConfig(**data)
+
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """The draft graph reads the step's LM head itself (whole vocabulary) or exactly its rows of the
+        draft vocabulary, never a copy of the whole head."""
+        super().verify(gm)
+        draft = draft_graph(gm)
+        lm_head = gm.get_submodule("lm_head")
+        vocab_head, vocab = draft.get_submodule("vocab_head"), draft.vocab
+        rows = lm_head.weight.shape[0]
+        whole = len(vocab) == rows and torch.equal(vocab, torch.arange(rows, device=vocab.device))
+        if vocab_head is lm_head:
+            if not whole:
+                _fail("the draft graph reads the whole LM head but its vocabulary is not the whole vocabulary")
+        elif whole:
+            _fail("without a draft vocabulary the draft graph must share the step's LM head, not a copy")
+        elif not torch.equal(vocab_head.weight, lm_head.weight[vocab]):
+            _fail("the draft graph's vocabulary head is not the LM head's rows of its draft vocabulary")
 
 
-def trace_draft_step(heads: nn.Module, lm_head: nn.Module, embed_tokens: nn.Module) -> torch.fx.GraphModule:
-    """The annotated FX graph of DraftStep(heads, lm_head, embed_tokens) (modules shared, not copied)."""
-    from specpass.heads.modules import DraftStep
-
-    step = DraftStep(heads, lm_head, embed_tokens)
-    graph = torch.fx.Tracer().trace(step)
-    draft = torch.fx.GraphModule(step, graph, class_name="DraftGraph")
-    for node in draft.graph.nodes:
-        role = Role.DRAFT
-        if node.op == "placeholder":
-            role = Role.INPUT
-        elif node.op == "output":
-            role = Role.OUTPUT
-        elif node.op == "call_module" and node.target in ("vocab_head", "embed_tokens"):
-            role = Role.LM_HEAD if node.target == "vocab_head" else Role.EMBED
-        node.meta[META_KEY] = NodeInfo(role)
-    return draft
+def _fail(message: str) -> None:
+    raise GraphVerificationError(f"DraftHeads: {message}")

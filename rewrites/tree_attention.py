@@ -3,15 +3,15 @@
 Papers: Medusa (tree attention), SpecInfer, Token Recycling, DySpec (see ../shared/seeds).
 
 Rewrite. The captured step is a chain step: token t writes cache slot positions[0, t] and attends to
-every slot <= its position. The rewrite adds two graph inputs
+every slot <= its position. The rewrite adds the two graph inputs that encode a step's slot layout
+(`ir.layout`: committed prefix, write slots, ancestor mask)
 
     tree_mask    [B, T, T] bool   tree_mask[b, i, j]: node j is node i or one of its ancestors
-    cache_slots  [T] int64        slot each node's K/V is written to; cache_slots[0] is the slot of
-                                  the tree's root, every slot below it is committed prefix
+    cache_slots  [T] int64        the write slots; cache_slots[0] is the committed length
 
-and replaces the chain mask by the tree mask: node i sees slot s iff s < cache_slots[0] (the prefix)
-or s == cache_slots[j] for an ancestor-or-self j of i. The cache writes index with `cache_slots`
-instead of the positions; positions (= prefix length + depth, set by the caller) still drive rotary.
+and replaces the chain mask by `ir.layout.slot_visibility`: node i sees slot s iff s is committed
+prefix or s == cache_slots[j] for an ancestor-or-self j of i. The cache writes index with
+`cache_slots` instead of the positions; positions (= committed length + depth) still drive rotary.
 
 Invariants. Logits of node i equal the chain step's logits for the path root -> i (a chain is the
 tree whose mask is lower-triangular; a one-node tree is plain decoding). Nothing else in the graph
@@ -26,20 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import InvalidParameterError
-from specpass.ir.roles import Role, annotate, info, nodes_with_role, placeholder
+from specpass.errors import GraphVerificationError, InvalidParameterError
+from specpass.ir import query
+from specpass.ir.layout import slot_visibility
+from specpass.ir.roles import Role, annotate, info, placeholder
 from specpass.passes.base import Pass, PassResult
 
 TREE_ATTENTION = "tree_attention"
-
-
-def tree_attention_mask(tree_mask: torch.Tensor, cache_slots: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[B, T, T] ancestor mask + [T] slots -> [B, 1, T, S] boolean attention mask over S = kv_len slots."""
-    key_slots = torch.arange(kv_len, device=cache_slots.device)  # [S]
-    prefix = key_slots < cache_slots[0]  # [S]
-    visible = prefix[None, None, :].expand(tree_mask.shape[0], tree_mask.shape[1], kv_len)  # [B, T, S]
-    visible = visible.index_copy(2, cache_slots, tree_mask)  # tree columns come from the ancestor mask
-    return visible.unsqueeze(1)  # [B, 1, T, S]
 
 
 @dataclass(frozen=True)
@@ -58,30 +51,30 @@ class TreeAttention(Pass):
         if not isinstance(self.max_nodes, int) or isinstance(self.max_nodes, bool) or not 1 <= self.max_nodes <= 512:
             raise InvalidParameterError(f"TreeAttention.max_nodes must be an int in [1, 512], got {self.max_nodes!r}")
 
+    def largest_tree(self) -> int:
+        return self.max_nodes
+
     def check(self, gm: torch.fx.GraphModule) -> str | None:
         graph = gm.graph
         if placeholder(graph, "tree_mask") is not None:
             return "the graph already verifies trees (it has a tree_mask input)"
         if placeholder(graph, "kv_len") is None:
             return "the graph has no kv_len input"
-        masks = _attention_masks(graph)
-        if len(masks) != 1:
-            return f"expected one attention mask shared by all attention ops, found {len(masks)}"
-        (mask,) = masks
+        mask = query.shared_mask(graph)
+        if mask is None:
+            return f"expected one attention mask shared by all attention ops, found {len(query.attention_masks(graph))}"
         if info(mask).role is not Role.MASK or mask.op == "placeholder":
             return f"attention mask {mask.name} is not the captured chain mask"
-        indices = {n.args[2] for n in _cache_writes(graph)}
-        if len(indices) != 1:
-            return f"expected one slot index shared by all cache writes, found {len(indices)}"
-        (index,) = indices
+        index = query.shared_write_slots(graph)
+        if index is None:
+            return f"expected one slot index shared by all cache writes, found {len(query.write_slot_indices(graph))}"
         if info(index).role is not Role.CACHE_INDEX:
             return f"cache writes index with {index.name}, not the captured cache slots"
         return None
 
     def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:
         graph = gm.graph
-        (mask,) = _attention_masks(graph)
-        (index,) = {n.args[2] for n in _cache_writes(graph)}
+        mask, index = query.shared_mask(graph), query.shared_write_slots(graph)
         kv_len = placeholder(graph, "kv_len")
         last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(last_input):
@@ -89,7 +82,7 @@ class TreeAttention(Pass):
         with graph.inserting_after(tree_mask):
             cache_slots = annotate(graph.placeholder("cache_slots"), Role.INPUT)
         with graph.inserting_before(mask):
-            new_mask = graph.call_function(tree_attention_mask, (tree_mask, cache_slots, kv_len))
+            new_mask = graph.call_function(slot_visibility, (tree_mask, cache_slots, kv_len))
             annotate(new_mask, Role.MASK)
         mask.replace_all_uses_with(new_mask)
         index.replace_all_uses_with(cache_slots)
@@ -100,14 +93,15 @@ class TreeAttention(Pass):
             gm, True, f"added inputs tree_mask, cache_slots; replaced the chain mask; removed {removed} dead nodes"
         )
 
-
-def _attention_masks(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    return {
-        n.kwargs.get("attn_mask")
-        for n in nodes_with_role(graph, Role.ATTENTION)
-        if n.op == "call_function" and n.target is torch.nn.functional.scaled_dot_product_attention
-    }
-
-
-def _cache_writes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in nodes_with_role(graph, Role.CACHE_WRITE) if n.op == "call_method"]
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """Every layer attends through the slot-layout mask of the tree inputs, and every cache write
+        goes to `cache_slots`."""
+        graph = gm.graph
+        mask, index = query.shared_mask(graph), query.shared_write_slots(graph)
+        tree_mask, cache_slots = placeholder(graph, "tree_mask"), placeholder(graph, "cache_slots")
+        if tree_mask is None or cache_slots is None:
+            raise GraphVerificationError("TreeAttention: the step lost its tree_mask / cache_slots inputs")
+        if mask is None or mask.target is not slot_visibility or mask.args[:2] != (tree_mask, cache_slots):
+            raise GraphVerificationError("TreeAttention: attention does not read the tree's slot-visibility mask")
+        if index is not cache_slots:
+            raise GraphVerificationError("TreeAttention: the cache writes do not index with cache_slots")

@@ -5,8 +5,55 @@ import torch
 
 import specpass
 from conftest import token_inside_an_accepted_draft
-from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
+from specpass.backends.cost import CostCurve
+from specpass.drafters import Combined, Drafting, Heads, PromptLookup, TokenRecycling, expected_tokens
 from specpass.rewrites import DraftHeads, TreeAttention
+
+
+class _Trees:
+    """Every step's tree as drafted and as verified (after the budget's cut), recorded at the drafters."""
+
+    def __init__(self):
+        self.drafted, self.verified = [], []
+
+    def clear(self):
+        self.drafted.clear()
+        self.verified.clear()
+
+    def sizes(self) -> list[int]:
+        return [len(tree) for tree in self.verified]
+
+
+@pytest.fixture
+def trees(monkeypatch):
+    recorded = _Trees()
+    draft, observe = Drafting.draft, Drafting.observe
+
+    def drafted(self, tokens, max_nodes, max_depth):
+        tree = draft(self, tokens, max_nodes, max_depth)
+        recorded.drafted.append(tree)
+        return tree
+
+    def verified(self, tree, *args):
+        recorded.verified.append(tree)
+        return observe(self, tree, *args)
+
+    monkeypatch.setattr(Drafting, "draft", drafted)
+    monkeypatch.setattr(Drafting, "observe", verified)
+    return recorded
+
+
+def _first_child_chain(tree):
+    """The branch through every node's first child (what a program without TreeAttention verifies)."""
+    keep = [0]
+    while (nxt := next((i for i in range(keep[-1] + 1, len(tree)) if tree.parents[i] == keep[-1]), None)) is not None:
+        keep.append(nxt)
+    return [tree.tokens[i] for i in keep]
+
+
+def _is_prefix(verified, drafted) -> bool:
+    n = len(verified)
+    return verified.tokens == drafted.tokens[:n] and verified.parents == drafted.parents[:n]
 
 
 def _with_heads(kind: str, drafter) -> dict:
@@ -40,13 +87,18 @@ def test_drafters_equal_greedy(default_model, cases, name):
     assert sum(taus) / len(taus) > 1.3  # the drafter actually drafts something the target accepts
 
 
-def test_chain_only_pipeline_equals_greedy(default_model, cases):
+def test_chain_only_pipeline_equals_greedy(default_model, cases, trees):
     model, _ = default_model
     options = {"pipeline": specpass.Pipeline(), "drafter": PromptLookup(), "lowering": "eager"}
     for ids, reference in cases[:3]:
+        trees.clear()
         out = specpass.generate(model, ids, max_new_tokens=128, options=options)
         assert torch.equal(out.sequences, reference)
-    assert out.stats.mean_tree_size >= 1.0
+        assert len(trees.verified) == len(trees.drafted) == len(out.stats.steps) == out.stats.target_forwards - 1
+        for drafted, verified in zip(trees.drafted, trees.verified):  # a prefix of the first-child branch
+            assert verified.is_chain() and list(verified.tokens) == _first_child_chain(drafted)[: len(verified)]
+        assert out.stats.mean_tree_size == sum(trees.sizes()) / len(trees.sizes())
+        assert max(trees.sizes()) > 1  # prompt lookup drafted chains that were verified
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -97,17 +149,32 @@ def test_bad_requests_are_clear_errors(default_model):
         specpass.generate(model, ids, max_new_tokens=8, options={"cache_size": 4})
 
 
-def test_tree_budget_follows_the_cost_curve(default_model, cases):
+def test_tree_budget_follows_the_cost_curve(default_model, cases, trees, monkeypatch):
     model, _ = default_model
+    ids, reference = cases[0]
     compiled = torch.compile(model, backend="specpass", options={"pipeline": specpass.Pipeline(TreeAttention(8))})
     program = specpass.compile_program(compiled)
     curve = program.cost_curve
     assert curve.sizes[0] == 1 and curve.sizes[-1] == 8 and all(s > 0 for s in curve.seconds)
-    out = specpass.generate(compiled, cases[0][0], max_new_tokens=32)
-    assert 1.0 <= out.stats.mean_tree_size <= 8.0
+    out = specpass.generate(compiled, ids, max_new_tokens=32)
+    assert torch.equal(out.sequences, reference[:, : ids.shape[1] + 32])
+    assert all(_is_prefix(v, d) for d, v in zip(trees.drafted, trees.verified))  # the budget cuts a prefix
+    assert len(trees.verified[0]) == curve.best_size(expected_tokens(trees.drafted[0]))  # no overhead measured yet
+    assert out.stats.mean_tree_size == sum(trees.sizes()) / len(trees.sizes())
+
+    # A flat curve (8 nodes cost what 1 costs) keeps every drafted tree whole; a steep one keeps the root only.
+    for seconds, keeps_all in (((curve.seconds[0],) * 2, True), ((curve.seconds[0], 1e3), False)):
+        monkeypatch.setattr(program, "_cost", CostCurve((1, 8), seconds))
+        trees.clear()
+        out = specpass.generate(compiled, ids, max_new_tokens=12)
+        assert torch.equal(out.sequences, reference[:, : ids.shape[1] + 12])
+        expected = [len(tree) if keeps_all else 1 for tree in trees.drafted]
+        assert trees.sizes() == expected and max(len(tree) for tree in trees.drafted) == 8
+        if not keeps_all:
+            assert set(out.stats.steps) == {1} and out.stats.mean_tree_size == 1.0
 
 
-def test_fixed_budget_verifies_the_full_tree(default_model, cases):
+def test_fixed_budget_verifies_the_full_tree(default_model, cases, trees):
     model, _ = default_model
     options = {"budget": 12, "pipeline": specpass.Pipeline(TreeAttention(64))}
     ids, reference = cases[0]
@@ -115,4 +182,7 @@ def test_fixed_budget_verifies_the_full_tree(default_model, cases):
     assert torch.equal(out.sequences, reference)
     program = specpass.compile_program(model, specpass.CompileOptions(**options))
     assert program._cost is None  # a fixed budget never measures the cost curve
-    assert 8.0 < out.stats.mean_tree_size <= 12.0  # the drafters fill the budget nearly every step
+    assert all(_is_prefix(v, d) for d, v in zip(trees.drafted, trees.verified))
+    assert trees.sizes() == [min(12, len(tree)) for tree in trees.drafted]  # 12 nodes whenever there are 12
+    assert out.stats.mean_tree_size == sum(trees.sizes()) / len(trees.sizes())
+    assert 8.0 < out.stats.mean_tree_size  # the drafters fill the budget nearly every step

@@ -8,7 +8,7 @@ import specpass
 from specpass import prompts
 from specpass.backends.lowering import lower
 from specpass.drafters import DraftTree
-from specpass.ir import capture
+from specpass.ir import SlotLayout, capture
 
 pytestmark = pytest.mark.gpu
 BF16_TIE_ULPS = 2  # a bf16 near-tie: the top-2 logits within 2 units in the last place (8 mantissa bits)
@@ -22,16 +22,12 @@ def test_cuda_graph_step_equals_eager_step():
     graphed, _ = lower(gm, "cudagraphs", torch.device("cuda"), 16, 512)
     prompt = torch.randint(0, 96, (1, 40), device="cuda")
     for step in (eager, graphed):  # same prefill in both
-        step(input_ids=prompt, positions=torch.arange(40, device="cuda")[None], kv_len=40,
-             tree_mask=torch.ones(40, 40, dtype=torch.bool, device="cuda").tril()[None],
-             cache_slots=torch.arange(40, device="cuda"))  # fmt: skip
+        step(prompt, SlotLayout.chain(0, 40, "cuda"))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
-    inputs = dict(input_ids=torch.tensor([tree.tokens], device="cuda"),
-                  positions=(40 + torch.tensor(tree.depths(), device="cuda"))[None], kv_len=45,
-                  tree_mask=tree.ancestor_mask().cuda()[None], cache_slots=torch.arange(40, 45, device="cuda"))  # fmt: skip
-    expected, _ = eager(**inputs)
+    ids, layout = torch.tensor([tree.tokens], device="cuda"), SlotLayout(40, tree.ancestor_mask().cuda())
+    expected, _ = eager(ids, layout)
     for _ in range(3):  # capture, then replays
-        got, _ = graphed(**inputs)
+        got, _ = graphed(ids, layout)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert len(graphed.graphs) >= 1
 

@@ -1,18 +1,20 @@
 """Draft heads: the DraftHeads pass, the trainer, save/load, trees from heads, lossless decoding with heads."""
 
+import heapq
 import itertools
+import math
 
 import pytest
 import torch
 from conftest import peaked_tiny_model, tiny_model
 
 import specpass
-from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
+from specpass.drafters import Candidate, Combined, Drafting, Heads, PromptLookup, TokenRecycling
 from specpass.drafters.heads import HeadsSession
 from specpass.heads import HeadsMismatchError, load_heads, save_heads
+from specpass.heads.io import read_config, shipped_heads
 from specpass.heads.modules import DraftStep, draft_vocabulary
 from specpass.heads.train import Continuation, TrainConfig, _DraftVocabulary, generate_corpus, train_heads
-from specpass.heads.trees import expected_length, optimal_static_tree
 from specpass.ir import capture, info, verify
 from specpass.rewrites import DraftHeads, TreeAttention
 
@@ -253,8 +255,10 @@ def test_verifier_rejects_a_draft_graph_that_does_not_read_the_lm_head(trained):
 
     model, out, _ = trained
     for kind, tamper in (("medusa", "copy"), ("hydra", "rows")):
-        gm, _ = specpass.Pipeline(TreeAttention(16), DraftHeads(kind, out[kind][0])).run(capture(model, 64))
+        heads_pass = DraftHeads(kind, out[kind][0])
+        gm, _ = specpass.Pipeline(TreeAttention(16), heads_pass).run(capture(model, 64))
         verify(gm)
+        heads_pass.verify(gm)  # the heads' own invariants live with the pass that added them
         if tamper == "copy":  # whole vocabulary: the LM head must be shared, not copied
             gm.draft.vocab_head = copy.deepcopy(gm.draft.vocab_head)
             match = "not a copy"
@@ -263,7 +267,37 @@ def test_verifier_rejects_a_draft_graph_that_does_not_read_the_lm_head(trained):
                 gm.draft.vocab_head.weight[3] += 1e-3
             match = "rows of its draft vocabulary"
         with pytest.raises(specpass.GraphVerificationError, match=match):
-            verify(gm)
+            heads_pass.verify(gm)
+
+
+def expected_length(paths, accuracy) -> float:
+    """Expected number of drafted tokens accepted (the bonus token not counted) of a tree of rank paths.
+
+    A node is a rank path (r1, ..., rd): head 1's rank-r1 token, under it head 2's rank-r2 token, and so
+    on. With head d's rank-r candidate right with probability accuracy[d-1][r] (given the heads before
+    it were right), a node is accepted with the product of the accuracies on its path.
+    """
+    return sum(math.prod(accuracy[d][r] for d, r in enumerate(path)) for path in paths)
+
+
+def optimal_static_tree(accuracy, budget: int) -> list[tuple[int, ...]]:
+    """The `budget` rank paths, closed under prefixes, of largest expected accepted length (Medusa's
+    "medusa choices", chosen rather than hand-written): the oracle of the static Heads tree.
+
+    Best-first is optimal: a node's value is at most its parent's (accuracies are <= 1), so the best
+    frontier node is always worth at least any node below it, and taking it first loses nothing.
+    """
+    chosen: list[tuple[int, ...]] = []
+    frontier = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < budget:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        depth = len(path)
+        if depth < len(accuracy):
+            for r in range(len(accuracy[depth])):
+                heapq.heappush(frontier, (neg_value * accuracy[depth][r], (*path, r)))
+    return chosen
 
 
 def test_static_tree_matches_a_brute_force_optimum():
@@ -277,6 +311,55 @@ def test_static_tree_matches_a_brute_force_optimum():
                 best = max(best, expected_length(subset, accuracy))
         tree = optimal_static_tree(accuracy, budget)
         assert len(tree) == budget and abs(expected_length(tree, accuracy) - best) < 1e-12
+
+
+class _RandomDraft:
+    """A draft graph with random logits: the static tree's shape depends only on the rates per (depth, rank)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __call__(self, hidden, tokens, head):
+        vocab = torch.arange(50)
+        return torch.randn(len(head), len(vocab), generator=self.generator), vocab
+
+
+def _rank_paths(tree) -> list[tuple[int, ...]]:
+    """Each drafted node's rank path, from the heads' stats keys (depth, rank, probability)."""
+    paths = [()]
+    for i in range(1, len(tree)):
+        paths.append((*paths[tree.parents[i]], tree.origins[i][1][1]))
+    return paths[1:]
+
+
+@pytest.mark.parametrize("kind, beam", [("medusa", 8), ("hydra", 8), ("hydra", 64)])
+def test_static_heads_tree_is_the_optimal_static_tree(kind, beam):
+    """Alone, the static Heads drafter's n-node tree is optimal_static_tree(rates, n - 1) over the
+    session's running rates per (depth, rank), which start at the accuracies of heads.json: Medusa and
+    a Hydra beam of at least n - 1 for every n up to 64 nodes. Hydra's default beam (8) drafts depth
+    d + 1 only under the 8 best depth-d paths: larger trees whose optimum goes under another path
+    (on the shipped Hydra heads: from 49 nodes on) are the best among the drafted paths instead."""
+    config = read_config(shipped_heads(kind))
+    session = HeadsSession(Heads(tree="static", beam=beam), _RandomDraft(config), torch.zeros(8), root=7)
+    assert all(isinstance(c, Candidate) for c in session.candidates([7]).root_candidates())
+    drafting = Drafting([session])
+    for outcomes in range(2):
+        if outcomes:  # verify steps move the rates away from the priors: the tree follows them
+            for depth, rank, accepted in ((0, 0, False), (0, 0, False), (0, 1, True), (1, 0, False), (2, 3, True)):
+                session.stats.record((depth, rank, 0.5), accepted)
+        rates = [[session.stats.rate((d, r)) for r in range(len(row))] for d, row in enumerate(config.accuracy)]
+        assert (rates == [list(row) for row in config.accuracy]) == (outcomes == 0)
+        drafted = set(_rank_paths(drafting.draft([7], max_nodes=1 << 20, max_depth=64)))
+        for n in range(2, 65):
+            tree = drafting.draft([7], max_nodes=n, max_depth=64)
+            got, best = _rank_paths(tree), optimal_static_tree(rates, n - 1)
+            assert len(got) == len(set(got)) == n - 1
+            if set(best) <= drafted:
+                assert set(got) == set(best), (n, sorted(set(got) ^ set(best)))
+            else:  # only a narrow Hydra beam drafts too few paths
+                assert kind == "hydra" and beam < n - 1
+                assert expected_length(got, rates) < expected_length(best, rates)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
@@ -320,7 +403,8 @@ def test_export_with_heads_runs_losslessly_on_ort(trained, tmp_path):
     pipeline = specpass.Pipeline(TreeAttention(16), DraftHeads("hydra", out["hydra"][0]))
     result = export(model, pipeline, str(tmp_path), progress=False)
     draft = result.manifest["draft"]
-    assert draft["file"] == "draft.onnx" and draft["heads"]["kind"] == "hydra" and draft["check_max_abs_diff"] < 1e-4
+    assert draft["file"] == "draft.onnx" and draft["check_max_abs_diff"] < 1e-4
+    assert draft["spec"]["kind"] == "heads" and draft["spec"]["config"]["kind"] == "hydra"
     program = specpass.load_onnx(str(tmp_path), drafter=Combined(Heads(), PromptLookup()), cache_size=200)
     assert program.draft.config == out["hydra"][2]
     for seed in range(3):

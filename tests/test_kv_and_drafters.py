@@ -1,3 +1,4 @@
+import random
 import time
 
 import pytest
@@ -8,12 +9,14 @@ from specpass.backends.kv import compact
 from specpass.drafters.heads import HeadStats
 from specpass.drafters.stats import ProbabilityCalibration
 from specpass.drafters import (
-    Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, Verified, accept_greedy, build_tree, expected_tokens,
+    Candidate, Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, TargetForward, accept_greedy, build_tree,
+    expected_tokens,
 )  # fmt: skip
+from specpass.errors import InvalidParameterError
 
 
-def _verified(topk: torch.Tensor) -> Verified:
-    return Verified(topk, torch.zeros(topk.shape[0], 4), topk[:, 0])
+def _verified(topk: torch.Tensor) -> TargetForward:
+    return TargetForward(topk, torch.zeros(topk.shape[0], 4), topk[:, 0])
 
 
 def test_compact_moves_the_accepted_path_into_place():
@@ -24,6 +27,26 @@ def test_compact_moves_the_accepted_path_into_place():
     assert torch.equal(k[:, :, :, 5], before[:, :, :, 6]) and torch.equal(k[:, :, :, 6], before[:, :, :, 8])
     assert torch.equal(k[:, :, :, :5], before[:, :, :, :5])
     assert torch.equal(v, -k)
+
+
+def test_ancestor_mask_marks_each_node_and_its_ancestors():
+    rng = random.Random(0)
+    trees = [DraftTree.chain(range(64)), DraftTree((0,) * 16, (-1,) + (0,) * 15, (1.0,) * 16, (None,) * 16)]
+    for n in (1, 2, 8, 16, 64):
+        for _ in range(20):
+            parents = (-1, *(rng.randrange(i) for i in range(1, n)))
+            trees.append(DraftTree((0,) * n, parents, (1.0,) * n, (None,) * n))
+    for tree in trees:
+        n = len(tree)
+        expected = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            node = i
+            while node >= 0:  # i itself, then its parent, its parent's parent, ... up to the root
+                expected[i, node] = True
+                node = tree.parents[node]
+        mask = tree.ancestor_mask()
+        assert mask.dtype == torch.bool and mask.shape == (n, n) and torch.equal(mask, expected), tree.parents
+    assert torch.equal(trees[0].ancestor_mask(), torch.ones(64, 64, dtype=torch.bool).tril())  # a chain
 
 
 def test_accept_greedy_follows_the_targets_choices():
@@ -45,29 +68,79 @@ def test_built_tree_prefixes_are_trees_and_merge_duplicates():
     topk = torch.tensor([[2, 5], [3, 6], [9, 4], [1, 1], [2, 0], [3, 0], [9, 8]])
     sessions = Combined(PromptLookup(), TokenRecycling(top_k=2)).sessions(tokens, _verified(topk))
     tree = Drafting(sessions).draft(tokens, max_nodes=6, max_depth=4)
-    assert len(tree) == 6 and tree.tokens[0] == 3
+    # prompt lookup copies 9 1 2 3 after "1 2 3"; token recycling's successors of 3 are 9 and 8
+    assert tree.tokens == (3, 9, 1, 2, 3, 8) and tree.parents == (-1, 0, 1, 2, 3, 0)
     pairs = [(tree.parents[i], tree.tokens[i]) for i in range(1, len(tree))]
     assert len(pairs) == len(set(pairs))  # one node per (parent, token)
-    assert tree.tokens[1] == 9  # both drafters agree that 9 follows 3
-    assert max(tree.depths()) <= 4
-    for n in range(1, len(tree) + 1):
-        tree.prefix(n)  # every prefix is a valid tree (parents precede children)
+    # both drafters propose 9 after 3: one node, scored and credited by the likelier proposal (the copy)
+    assert tree.origins[1] == (0, 3) and tree.scores[1] == sessions[0].stats.rate(3)
+    assert sessions[0].stats.rate(3) > max(sessions[1].stats.rate(("tok", 0)), sessions[1].stats.rate(("ctx", 0)))
+    assert tree.depths() == [0, 1, 2, 3, 4, 1]
+    assert all(a >= b for a, b in zip(tree.scores[1:], tree.scores[2:]))  # best-first: taken by falling score
+    for n in range(1, len(tree) + 1):  # every prefix is a tree: the first n nodes, parents before children
+        prefix = tree.prefix(n)
+        assert len(prefix) == n and prefix.tokens == tree.tokens[:n] and prefix.parents == tree.parents[:n]
+        assert prefix.scores == tree.scores[:n] and prefix.origins == tree.origins[:n]
+    with pytest.raises(ValueError, match="every parent must precede its child"):
+        DraftTree((1, 2, 3), (-1, 2, 0), (1.0,) * 3, (None,) * 3)
     exp = expected_tokens(tree)
-    assert exp[0] == 1.0 and all(b >= a for a, b in zip(exp, exp[1:]))
+    assert exp == [1.0 + sum(tree.scores[1:n]) for n in range(1, len(tree) + 1)]
+
+
+def test_build_tree_reads_candidates_as_named_or_bare_tuples():
+    class Source:
+        def __init__(self, make):
+            self.make = make
+
+        def root_candidates(self):
+            return [self.make(5, 0.5, "a", 0), self.make(6, 0.25, "b", 0), self.make(7, 0.0, "c", 0)]
+
+        def child_candidates(self, token, state):
+            return [self.make(token + 10, 0.5, "a", state + 1)] if state < 2 else []
+
+    named = build_tree(1, [Source(Candidate)], max_nodes=8, max_depth=8)
+    bare = build_tree(1, [Source(lambda *fields: tuple(fields))], max_nodes=8, max_depth=8)
+    assert named == bare
+    # 5 (0.5); 6 and 15 (0.25, ties in push order); 16 and 25 (0.125); 26 (0.0625); 7 (probability 0) never
+    assert named.tokens == (1, 5, 6, 15, 16, 25, 26) and named.parents == (-1, 0, 0, 1, 2, 3, 4)
+    assert named.scores == (1.0, 0.5, 0.25, 0.25, 0.125, 0.125, 0.0625)
+    assert named.origins[1:4] == ((0, "a"), (0, "b"), (0, "a"))
+    assert Candidate(5, 0.5, "a", 0) == (5, 0.5, "a", 0) and Candidate(5, 0.5, "a", 0).probability == 0.5
 
 
 def test_token_recycling_learns_successors_from_verify_steps():
     session = TokenRecycling(top_k=2).start([1, 2], _verified(torch.tensor([[2, 3], [4, 5]])))
+    candidates = session.candidates([1, 2]).root_candidates()
+    assert all(isinstance(c, Candidate) for c in candidates)
+    # the prefill's top-2 after 2 (4, 5), once by token and once by the pair (1, 2)
+    assert [(c.token, c.key, c.state) for c in candidates] == [(4, ("tok", 0), 2), (5, ("tok", 1), 2),
+                                                               (4, ("ctx", 0), 2), (5, ("ctx", 1), 2)]  # fmt: skip
     tree = build_tree(2, [session.candidates([1, 2])], max_nodes=3, max_depth=1)
-    assert set(tree.tokens[1:]) <= {4, 5}
+    assert tree.tokens == (2, 4, 5) and tree.origins[1] == (0, ("ctx", 0))  # the pair's rank 0 is likelier
     session.observe(tree, _verified(torch.tensor([[8, 9]] * len(tree))), [0], [1, 2])
-    again = build_tree(2, [session.candidates([1, 2])], max_nodes=2, max_depth=1)
-    assert again.tokens[1] == 8
+    again = build_tree(2, [session.candidates([1, 2])], max_nodes=3, max_depth=1)
+    assert again.tokens == (2, 8, 9)
+
+
+def test_token_recycling_reads_as_many_target_candidates_as_its_top_k():
+    assert TokenRecycling().target_topk == 8 and TokenRecycling(top_k=64).target_topk == 64
+    assert Combined(PromptLookup(), TokenRecycling(top_k=32)).target_topk == 32  # the loop hands everyone 32
+    for bad in (0, 1.5, True):
+        with pytest.raises(InvalidParameterError, match="TokenRecycling.top_k must be an int"):
+            TokenRecycling(top_k=bad)
+    ranks = torch.arange(100, 120).repeat(2, 1)  # [2, 20]: more columns than the drafter reads
+    drafter = TokenRecycling(top_k=16)
+    session = drafter.start([1, 2], _verified(ranks), drafter.new_memory())
+    assert session.table.by_token[2] == list(range(100, 116))  # ranks 0..15, not capped at 8
+    tree = build_tree(2, [session.candidates([1, 2])], max_nodes=64, max_depth=1)
+    assert set(tree.tokens[1:]) == set(range(100, 116))
+    session.observe(tree, _verified(torch.arange(200, 220).repeat(len(tree), 1)), [0], [1, 2])
+    assert session.table.by_token[100] == list(range(200, 216))
 
 
 def test_cost_curve_picks_the_size_with_most_tokens_per_second():
     curve = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.3, 2.6))
-    assert curve.latency(3) == 1.2000000000000002 or abs(curve.latency(3) - 1.2) < 1e-9
+    assert abs(curve.latency(3) - 1.2) < 1e-12 and abs(curve.latency(16) - 5.2) < 1e-12  # past 8: extrapolated
     assert curve.best_size([1.0, 1.5, 1.9, 2.2, 2.4, 2.5, 2.6, 2.7]) == 4
     assert curve.best_size([1.0, 1.05, 1.06, 1.07]) == 1
     assert CostCurve((1, 64), (1.0, 1.0)).best_size([1.0, 2.0, 3.0]) == 3
@@ -113,7 +186,9 @@ def test_cost_curve_times_fast_steps_until_enough_time_has_passed():
     calls = {}
 
     def forward(delay):
-        def run(tokens, positions, mask, start):
+        def run(tokens, layout):
+            assert layout.size == len(tokens) and layout.kv_len == 256  # a chain after 256 - T cached slots
+            assert torch.equal(layout.ancestors, torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril())
             calls[delay, len(tokens)] = calls.get((delay, len(tokens)), 0) + 1
             time.sleep(delay)
 

@@ -7,11 +7,12 @@ from torch import nn
 
 import specpass
 from specpass.backends import onednn
+from specpass.backends.buckets import pad_step
 from specpass.backends.cost import CostCurve
 from specpass.backends.lowering import lower, resolve_lowering
 from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import DraftTree
-from specpass.ir import capture, info
+from specpass.ir import SlotLayout, capture, info
 
 needs_onednn = pytest.mark.skipif(
     not onednn.available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
@@ -28,11 +29,9 @@ def _run_prefix_and_tree(step):
     """Prefill 30 tokens, then verify a 5-node tree; returns the tree's logits."""
     torch.manual_seed(1)
     prompt = torch.randint(0, 96, (1, 30))
-    step(input_ids=prompt, positions=torch.arange(30)[None], kv_len=30,
-         tree_mask=torch.ones(30, 30, dtype=torch.bool).tril()[None], cache_slots=torch.arange(30))  # fmt: skip
+    step(prompt, SlotLayout.chain(0, 30))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
-    logits, _ = step(input_ids=torch.tensor([tree.tokens]), positions=(30 + torch.tensor(tree.depths()))[None],
-                     kv_len=35, tree_mask=tree.ancestor_mask()[None], cache_slots=torch.arange(30, 35))  # fmt: skip
+    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout(30, tree.ancestor_mask()))
     return logits
 
 
@@ -83,10 +82,10 @@ def test_auto_lowering_runs_each_tree_size_on_the_kernel_measured_faster():
     by_hand = {"eager": step.steps["eager"], "onednn": step.steps["onednn"]}
     calls = []
 
-    def routed(**inputs):
-        kind = "onednn" if inputs["input_ids"].shape[1] == 30 else "eager"
+    def routed(input_ids, layout):
+        kind = "onednn" if layout.size == 30 else "eager"
         calls.append(kind)
-        return by_hand[kind](**inputs)
+        return by_hand[kind](input_ids, layout)
 
     assert torch.equal(got, _run_prefix_and_tree(routed)) and calls == ["onednn", "eager"]
     with step.pinned("onednn"):
@@ -124,3 +123,30 @@ def test_auto_lowering_and_its_refusals():
         lower(gm, "onednn", cpu, 8, 64)
     with pytest.raises(specpass.InvalidParameterError, match="needs the model on a CUDA device"):
         lower(gm, "cudagraphs", cpu, 8, 64)
+
+
+@pytest.mark.parametrize("tree_step", [True, False])
+def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_step):
+    """What the CUDA-graph lowerings replay (backends.buckets.pad_step), run on the CPU: a step padded
+    to its bucket gives the real nodes' logits of the unpadded step and writes no slot a real node
+    reads, for a tree step and for a chain step (which writes each token at its position)."""
+    model = tiny_model("llama")
+    pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(16)) if tree_step else specpass.Pipeline()
+    gm, _ = pipeline.run(capture(model, cache_size=128))
+    step, _ = lower(gm, "eager", torch.device("cpu"), 16, 128)
+    step(torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(2)), SlotLayout.chain(0, 30))
+    prefix = gm.k_cache[:, :, :, :30].clone()
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
+    if not tree_step:
+        tree = DraftTree.chain((5, 6, 7, 8, 9))
+    ids, layout = torch.tensor([tree.tokens]), SlotLayout(30, tree.ancestor_mask())
+    expected, _ = step(ids, layout)
+    real_kv = gm.k_cache[:, :, :, 30:35].clone()
+    padded_ids, positions, padded = pad_step(ids, layout, 8)
+    inputs = padded.step_inputs(padded_ids)
+    inputs.update(positions=positions, kv_len=64)  # a bucket's attended length: past the tree, hidden
+    got = step.run_graph(inputs)[0]
+    torch.testing.assert_close(got[:, :5], expected, rtol=1e-5, atol=1e-5)
+    assert positions[0].tolist() == [30, 31, 31, 32, 33, 35, 36, 37] if tree_step else list(range(30, 38))
+    assert torch.equal(gm.k_cache[:, :, :, :30], prefix)  # the committed prefix is untouched
+    torch.testing.assert_close(gm.k_cache[:, :, :, 30:35], real_kv)  # the real nodes' K/V as unpadded

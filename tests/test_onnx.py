@@ -11,6 +11,7 @@ import specpass
 from specpass.backends.onnx_export import export
 from specpass.cli import main
 from specpass.drafters import DraftTree
+from specpass.ir import SlotLayout
 from specpass.passes import Pass, PassResult
 
 pytest.importorskip("onnxruntime")
@@ -49,8 +50,9 @@ def test_export_round_trip(tiny_exports, arch):
 
 def _prefill(program, prompt):
     n = prompt.shape[0]
-    program.forward(prompt, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), 0)
-    program.commit(0, range(n))
+    layout = SlotLayout.chain(0, n)
+    program.forward(prompt, layout)
+    program.commit(layout, range(n))
     return n
 
 
@@ -59,8 +61,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
     program = specpass.load_onnx(result.directory, cache_size=128)
     n = _prefill(program, torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)))
     tree = DraftTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 3, 2), (1.0,) * 6, (None,) * 6)
-    depths = torch.tensor(tree.depths())
-    tree_logits, _ = program.forward(torch.tensor(tree.tokens), n + depths, tree.ancestor_mask(), n)
+    tree_logits, _ = program.forward(torch.tensor(tree.tokens), SlotLayout(n, tree.ancestor_mask()))
     for leaf in (4, 5):
         path, node = [], leaf
         while node >= 0:
@@ -68,7 +69,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
             node = tree.parents[node]
         chain = torch.tensor([tree.tokens[i] for i in path])
         k = len(path)
-        chain_logits, _ = program.forward(chain, n + torch.arange(k), torch.ones(k, k, dtype=torch.bool).tril(), n)
+        chain_logits, _ = program.forward(chain, SlotLayout.chain(n, k))
         torch.testing.assert_close(tree_logits[path], chain_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -78,11 +79,12 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
     n = _prefill(program, prompt)
     tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 2), (1.0,) * 4, (None,) * 4)  # node 1 is rejected
-    program.forward(torch.tensor(tree.tokens), n + torch.tensor(tree.depths()), tree.ancestor_mask(), n)
-    program.commit(n, [0, 2, 3])
+    layout = SlotLayout(n, tree.ancestor_mask())
+    program.forward(torch.tensor(tree.tokens), layout)
+    program.commit(layout, [0, 2, 3])
     accepted = torch.cat([prompt, torch.tensor([5, 7, 8])])
     nxt = torch.tensor([9])
-    logits, _ = program.forward(nxt, torch.tensor([n + 3]), torch.ones(1, 1, dtype=torch.bool), n + 3)
+    logits, _ = program.forward(nxt, SlotLayout.chain(n + 3, 1))
     with torch.no_grad():
         expected = model(torch.cat([accepted, nxt])[None]).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
@@ -155,7 +157,7 @@ def test_default_model_on_ort_equals_hf_greedy(default_export, cases, drafter):
 
     manifest = json.load(open(os.path.join(default_export, "manifest.json")))
     assert manifest["architecture"] == "LlamaForCausalLM" and max(manifest["check"]["max_abs_diff"].values()) < 1e-4
-    assert manifest["draft"]["heads"]["kind"] == "hydra" and manifest["draft"]["check_max_abs_diff"] < 1e-4
+    assert manifest["draft"]["spec"]["config"]["kind"] == "hydra" and manifest["draft"]["check_max_abs_diff"] < 1e-4
     program = specpass.load_onnx(default_export, drafter=drafter_by_name(drafter))
     for ids, reference in cases:
         out = specpass.generate(program, ids, max_new_tokens=128)

@@ -4,10 +4,11 @@ from conftest import tiny_model
 
 from specpass.drafters import DraftTree
 from specpass.errors import InvalidParameterError, PassMismatchError
-from specpass.ir import Role, capture, info
+from specpass.ir import Role, SlotLayout, capture, info
+from specpass.ir.layout import slot_visibility
 from specpass.ir.roles import placeholder
 from specpass.passes import PassManager, Pipeline
-from specpass.rewrites import TreeAttention, tree_attention_mask
+from specpass.rewrites import TreeAttention
 
 # root(0) -> 1 -> 3, root -> 2 -> 4 -> 5, 2 -> 6
 PARENTS = (-1, 0, 0, 1, 2, 4, 2)
@@ -28,10 +29,12 @@ def brute_force_mask(parents, prefix: int, kv_len: int) -> torch.Tensor:
 def test_tree_mask_matches_brute_force():
     tree = DraftTree(tuple(range(7)), PARENTS, (1.0,) * 7, (None,) * 7)
     prefix, kv_len = 5, 16
-    mask = tree_attention_mask(tree.ancestor_mask()[None], torch.arange(prefix, prefix + 7), kv_len)
+    layout = SlotLayout(prefix, tree.ancestor_mask())
+    mask = slot_visibility(layout.ancestors[None], layout.write_slots(), kv_len)
     assert mask.shape == (1, 1, 7, kv_len)
     assert torch.equal(mask[0, 0], brute_force_mask(PARENTS, prefix, kv_len))
     assert tree.depths() == [0, 1, 1, 2, 2, 3, 2]
+    assert layout.positions().tolist() == [prefix + d for d in tree.depths()] and layout.kv_len == prefix + 7
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def test_graph_after_rewrite(model_and_graphs):
     _, chain, tree = model_and_graphs
     assert placeholder(tree.graph, "tree_mask") is not None and placeholder(tree.graph, "cache_slots") is not None
     assert not any(n.op == "call_module" and "mask" in str(n.target) for n in tree.graph.nodes)
-    masks = [n for n in tree.graph.nodes if n.target is tree_attention_mask]
+    masks = [n for n in tree.graph.nodes if n.target is slot_visibility]
     assert len(masks) == 1 and info(masks[0]).role is Role.MASK
     writes = [n for n in tree.graph.nodes if info(n).role is Role.CACHE_WRITE and n.op == "call_method"]
     assert {w.args[2].target for w in writes} == {"cache_slots"}

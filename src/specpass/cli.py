@@ -90,7 +90,7 @@ def _onnxrt_runs(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     import specpass
-    from specpass.backends.onnxrt import read_manifest
+    from specpass.backends.ort import read_manifest
     from specpass.drafters.registry import drafter_by_name
     from specpass.errors import InvalidParameterError
 

@@ -1,10 +1,10 @@
 """Drafters feeding the tree verifier: training-free (prompt lookup, token recycling) and draft heads."""
 
-from specpass.drafters.base import Combined, Drafter, Drafting, DraftModel, DraftSession, Verified, expected_tokens
+from specpass.drafters.base import Combined, Drafter, Drafting, DraftModel, DraftSession, TargetForward, expected_tokens
 from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.token_recycling import TokenRecycling
-from specpass.drafters.tree import DraftTree, accept_greedy, build_tree
+from specpass.drafters.tree import Candidate, DraftTree, accept_greedy, build_tree
 
 
 def default_drafter() -> Drafter:
@@ -13,6 +13,7 @@ def default_drafter() -> Drafter:
 
 
 __all__ = [
+    "Candidate",
     "Combined",
     "DraftModel",
     "DraftSession",
@@ -22,7 +23,7 @@ __all__ = [
     "Heads",
     "PromptLookup",
     "TokenRecycling",
-    "Verified",
+    "TargetForward",
     "accept_greedy",
     "build_tree",
     "default_drafter",

@@ -5,20 +5,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import CandidateSource, DraftTree, build_tree
 from specpass.errors import InvalidParameterError
-
-if TYPE_CHECKING:
-    from specpass.heads.modules import HeadsConfig
+from specpass.ir.draft import DraftGraphSpec
 
 
 @dataclass(frozen=True)
-class Verified:
+class TargetForward:
     """What a target forward tells the drafters about its T tokens (the prompt, or a verified tree)."""
 
     topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token (raw logits)
@@ -27,15 +25,17 @@ class Verified:
 
 
 class DraftModel(Protocol):
-    """A program's draft graph (rewrites.DraftHeads), as the decode loop hands it to the drafters."""
+    """A program's draft graph (ir.draft), as the decode loop hands it to the drafters: a drafter
+    drives the graphs whose `spec.kind` it knows (drafters.Heads: "heads")."""
 
-    config: HeadsConfig
+    spec: DraftGraphSpec
 
-    def __call__(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, head: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [N, H], tokens [N, K], head [N] -> logits [N, D] over the draft vocabulary, its token
-        ids [D] (see heads.modules.DraftStep)."""
+    @property
+    def config(self) -> Any:
+        """spec.config: the draft graph's own config (heads: HeadsConfig)."""
+
+    def __call__(self, *args: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The spec's inputs (positionally in its order, or by name) -> the spec's outputs."""
 
 
 class DraftSession(ABC):
@@ -47,7 +47,7 @@ class DraftSession(ABC):
     def candidates(self, tokens: Sequence[int]) -> CandidateSource:
         """The source of candidates for the tree rooted at tokens[-1]."""
 
-    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
+    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         """Learn from a verify step of `tree` whose accepted nodes are `path`; tokens is the sequence
         up to and including the tree's root."""
 
@@ -63,15 +63,20 @@ class Drafter(ABC):
         """A fresh cross-generation memory for this drafter (None: it keeps nothing)."""
         return None
 
+    @property
+    def target_topk(self) -> int:
+        """How many of the target's top next tokens per position the drafter reads (`TargetForward.topk`)."""
+        return 8
+
     @abstractmethod
     def start(
-        self, prompt: Sequence[int], prefill: Verified, memory: Any = None, draft: DraftModel | None = None
+        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None
     ) -> DraftSession:
         """prefill: the target's forward over the prompt; memory: what `new_memory` made, carried over
         from earlier generations (None: start cold); draft: the program's draft graph, if it has one."""
 
     def sessions(
-        self, prompt: Sequence[int], prefill: Verified, memory: Any = None, draft: DraftModel | None = None
+        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None
     ) -> list[DraftSession]:
         return [self.start(prompt, prefill, memory, draft)]
 
@@ -93,6 +98,10 @@ class Combined(Drafter):
     def new_memory(self) -> tuple:
         return tuple(d.new_memory() for d in self.drafters)
 
+    @property
+    def target_topk(self) -> int:
+        return max(d.target_topk for d in self.drafters)
+
     def start(self, prompt, prefill, memory=None, draft=None):  # pragma: no cover - expanded by `sessions`
         raise TypeError("Combined drafters are started through sessions()")
 
@@ -111,7 +120,7 @@ class Drafting:
         sources = [s.candidates(tokens) for s in self.sessions]
         return build_tree(tokens[-1], sources, max_nodes, max_depth)
 
-    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
+    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         on_path = set(path)
         for i in range(1, len(tree)):
             origin = tree.origins[i]
@@ -141,4 +150,4 @@ def check_params(owner: str, **params: object) -> None:
         _check_positive_int(owner, name, value)
 
 
-__all__ = ["Combined", "DraftModel", "DraftSession", "Drafter", "Drafting", "Verified", "check_params", "expected_tokens"]
+__all__ = ["Combined", "DraftModel", "DraftSession", "Drafter", "Drafting", "TargetForward", "check_params", "expected_tokens"]

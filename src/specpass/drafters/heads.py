@@ -12,10 +12,14 @@ depth d.
 Tree: "dynamic" scores a candidate with the head's softmax probability, calibrated per head during
 the generation against what the target accepted (`stats.ProbabilityCalibration`), so the tree grows
 by cumulative draft probability (DySpec / EAGLE-2 style) and competes with the other drafters'
-estimates on one scale; "static" scores it with the head's measured
-accuracy at that rank (heads.json), so every step's tree has the same shape: the best-first builder
-with fixed probabilities builds the sparse tree of largest expected accepted length for each budget
-(`heads.trees.optimal_static_tree`). Both compete with other drafters' candidates in one tree.
+estimates on one scale; "static" scores it with the acceptance rate of its depth and rank, which
+starts at the head's measured accuracy (heads.json) and follows what the target accepts
+(`HeadStats`), so the tree's shape depends on those rates only, not on the hidden state. Alone, with
+such per-(depth, rank) probabilities, the best-first builder builds the sparse tree of largest expected
+accepted length for each budget (Medusa's "medusa choices", chosen rather than hand-written; checked
+in tests/test_heads.py). For Hydra that holds among the drafted paths: with a beam narrower than the
+budget, depth d + 1 is drafted only under the `beam` best depth-d paths (the shipped Hydra heads'
+optimum needs a wider beam from 49 nodes on). Both compete with other drafters' candidates in one tree.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.drafters.base import Drafter, DraftModel, DraftSession, Verified, check_params
+from specpass.drafters.base import Drafter, DraftModel, DraftSession, TargetForward, check_params
 from specpass.drafters.stats import AcceptanceStats, ProbabilityCalibration
-from specpass.drafters.tree import DraftTree
+from specpass.drafters.tree import Candidate, DraftTree
 from specpass.errors import InvalidParameterError
 
 TREES = ("dynamic", "static")
@@ -49,10 +53,11 @@ class Heads(Drafter):
             raise InvalidParameterError(f"Heads.tree must be one of {TREES}, got {self.tree!r}")
         check_params("Heads", top_k=self.top_k, beam=self.beam)
 
-    def start(self, prompt: Sequence[int], prefill: Verified, memory=None, draft: DraftModel | None = None):
-        if draft is None:
+    def start(self, prompt: Sequence[int], prefill: TargetForward, memory=None, draft: DraftModel | None = None):
+        if draft is None or draft.spec.kind != "heads":
+            found = "no draft graph" if draft is None else f"a {draft.spec.kind!r} draft graph"
             raise InvalidParameterError(
-                "the Heads drafter needs draft heads in the pipeline: add rewrites.DraftHeads(kind=...)"
+                f"the Heads drafter needs draft heads in the pipeline (it has {found}): add rewrites.DraftHeads(kind=...)"
             )
         return HeadsSession(self, draft, prefill.hidden[-1], int(prefill.choices[-1]))
 
@@ -68,7 +73,7 @@ class HeadsSession(DraftSession):
         self.hidden = hidden  # [H] of the token before the root
         self.root = root
 
-    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
+    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         self.hidden = verified.hidden[path[-1]]
         self.root = int(verified.choices[path[-1]])
 
@@ -144,12 +149,12 @@ class _Candidates:
         self.root_key = root_key
         self.by_path = by_path
 
-    def _list(self, key: tuple[int, ...]):
-        return [(token, score, stats_key, (*key, token) if self.by_path else (key[0] + 1,))
+    def _list(self, key: tuple[int, ...]) -> list[Candidate]:
+        return [Candidate(token, score, stats_key, (*key, token) if self.by_path else (key[0] + 1,))
                 for token, score, stats_key in self.table.get(key, ())]  # fmt: skip
 
-    def root_candidates(self):
+    def root_candidates(self) -> list[Candidate]:
         return self._list(self.root_key)
 
-    def child_candidates(self, token: int, state):
+    def child_candidates(self, token: int, state) -> list[Candidate]:
         return self._list(state)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from specpass.drafters.base import Drafter, DraftSession, check_params
 from specpass.drafters.stats import AcceptanceStats
+from specpass.drafters.tree import Candidate
 
 
 # P(copied token accepted | its parent was), by the match length it would extend (capped at MAX_MATCH).
@@ -93,18 +94,19 @@ class _Branches:
         self.branches = branches
         self.stats = stats
 
-    def _at(self, branch: int, offset: int):
+    def _at(self, branch: int, offset: int) -> list[Candidate]:
+        """The branch's token at `offset` (none past its end); its state is (branch, offset)."""
         n, tokens = self.branches[branch]
         if offset >= len(tokens):
             return []
         match = min(n + offset, MAX_MATCH)  # the match length this token extends
         rate = self.stats.rate(match)
         prob = rate / (1 + branch) if offset == 0 else rate  # later occurrences: less likely
-        return [(tokens[offset], prob, match, (branch, offset))]
+        return [Candidate(tokens[offset], prob, match, (branch, offset))]
 
-    def root_candidates(self):
+    def root_candidates(self) -> list[Candidate]:
         return [c for b in range(len(self.branches)) for c in self._at(b, 0)]
 
-    def child_candidates(self, token: int, state):
+    def child_candidates(self, token: int, state) -> list[Candidate]:
         branch, offset = state
         return self._at(branch, offset + 1)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.drafters.base import Drafter, DraftSession, Verified, check_params
+from specpass.drafters.base import Drafter, DraftSession, TargetForward, check_params
 from specpass.drafters.stats import AcceptanceStats
-from specpass.drafters.tree import DraftTree
+from specpass.drafters.tree import Candidate, DraftTree
 
 # P(accepted | parent accepted) by (table, rank), measured on development prompts (not the evaluation sets).
 _PRIORS = {("tok", 0): 0.3, ("tok", 1): 0.1, ("tok", 2): 0.05, ("ctx", 0): 0.45, ("ctx", 1): 0.1, ("ctx", 2): 0.05}
@@ -49,16 +49,24 @@ class SuccessorTable:
 
 @dataclass(frozen=True)
 class TokenRecycling(Drafter):
+    """top_k: the target's top next tokens kept as each token's successors; max_pairs: bound on the
+    pair-keyed rows."""
+
     top_k: int = 8
     max_pairs: int = 1 << 16
 
     def __post_init__(self):
         check_params("TokenRecycling", top_k=self.top_k, max_pairs=self.max_pairs)
 
+    @property
+    def target_topk(self) -> int:
+        """How many of the target's top next tokens per position this drafter reads: its top_k."""
+        return self.top_k
+
     def new_memory(self) -> SuccessorTable:
         return SuccessorTable(self.max_pairs)
 
-    def start(self, prompt: Sequence[int], prefill: Verified, memory=None, draft=None) -> DraftSession:
+    def start(self, prompt: Sequence[int], prefill: TargetForward, memory=None, draft=None) -> DraftSession:
         table = memory if memory is not None else self.new_memory()
         return TokenRecyclingSession(self, prompt, prefill.topk, table)
 
@@ -73,18 +81,20 @@ class TokenRecyclingSession(DraftSession):
             table.write(previous, token, top)
             previous = token
 
-    def successors(self, previous: int, token: int):
-        """(token, probability, stats key, state) candidates after `token` preceded by `previous`."""
+    def successors(self, previous: int, token: int) -> list[Candidate]:
+        """Candidates after `token` preceded by `previous`, keyed by (table, rank); a candidate's state
+        is `token`, the previous token of its own successors."""
         rate = self.stats.rate
-        out = [(t, rate(("tok", r)), ("tok", r), token) for r, t in enumerate(self.table.by_token.get(token, ()))]
+        row = self.table.by_token.get(token, ())
+        out = [Candidate(t, rate(("tok", r)), ("tok", r), token) for r, t in enumerate(row)]
         pair = self.table.by_pair.get((previous, token), ())
-        out += [(t, rate(("ctx", r)), ("ctx", r), token) for r, t in enumerate(pair)]
+        out += [Candidate(t, rate(("ctx", r)), ("ctx", r), token) for r, t in enumerate(pair)]
         return out
 
     def candidates(self, tokens: Sequence[int]):
         return _Successors(self, tokens[-2] if len(tokens) > 1 else -1, tokens[-1])
 
-    def observe(self, tree: DraftTree, verified: Verified, path: Sequence[int], tokens: Sequence[int]) -> None:
+    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         root_previous = tokens[-2] if len(tokens) > 1 else -1  # tokens ends with the tree's root
         for i, top in enumerate(verified.topk[:, : self.k].tolist()):
             parent = tree.parents[i]
@@ -97,8 +107,8 @@ class _Successors:
         self.previous = previous
         self.root = root
 
-    def root_candidates(self):
+    def root_candidates(self) -> list[Candidate]:
         return self.session.successors(self.previous, self.root)
 
-    def child_candidates(self, token: int, state):
+    def child_candidates(self, token: int, state) -> list[Candidate]:
         return self.session.successors(state, token)

@@ -12,7 +12,7 @@ import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -40,15 +40,18 @@ class DraftTree:
         return depths
 
     def ancestor_mask(self) -> torch.Tensor:
-        """[T, T] bool: mask[i, j] is True iff j is i or an ancestor of i."""
+        """[T, T] bool: mask[i, j] is True iff j is i or an ancestor of i.
+
+        Built on the host as one byte row per node (its parent's row plus itself; parents precede
+        their children) and turned into a tensor once: no tensor op per node (this runs every step).
+        """
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, i] = True
-            p = self.parents[i]
-            if p >= 0:
-                mask[i] |= mask[p]
-        return mask
+        rows: list[bytearray] = []
+        for i, p in enumerate(self.parents):
+            row = bytearray(rows[p]) if p >= 0 else bytearray(n)
+            row[i] = 1
+            rows.append(row)
+        return torch.frombuffer(bytearray().join(rows), dtype=torch.bool).view(n, n)
 
     def prefix(self, size: int) -> DraftTree:
         return DraftTree(self.tokens[:size], self.parents[:size], self.scores[:size], self.origins[:size])
@@ -62,14 +65,23 @@ class DraftTree:
         return DraftTree(tuple(tokens), tuple(range(-1, n - 1)), (1.0,) * n, (None,) * n)
 
 
+class Candidate(NamedTuple):
+    """One proposal of a source to the tree builder."""
+
+    token: int
+    probability: float  # P(the token is accepted | its parent was accepted), as the source estimates it
+    key: Hashable  # the source's stats key: the node's origin, credited with the verify step's outcome
+    state: object  # hashable; handed back to child_candidates to continue from the node
+
+
 class CandidateSource(Protocol):
     """A drafter's view for the builder: what may follow the root, and what may follow a node."""
 
-    def root_candidates(self) -> list[tuple[int, float, Hashable, object]]:
-        """(token, probability given the parent was accepted, stats key, continuation state)."""
+    def root_candidates(self) -> list[Candidate]:
+        """The candidates following the root."""
 
-    def child_candidates(self, token: int, state: object) -> list[tuple[int, float, Hashable, object]]:
-        """Candidates following a node with `token` that this source proposed with `state`."""
+    def child_candidates(self, token: int, state: object) -> list[Candidate]:
+        """The candidates following a node with `token` that this source proposed with `state`."""
 
 
 def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, max_depth: int) -> DraftTree:
@@ -89,7 +101,7 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
     heap: list = []
     tie = itertools.count()
 
-    def push(parent: int, source: int, candidates) -> None:
+    def push(parent: int, source: int, candidates: Sequence[Candidate]) -> None:
         if depths[parent] >= max_depth:
             return
         for token, prob, key, state in candidates:

@@ -1,0 +1,65 @@
+"""ONNX Runtime plumbing shared by the exporter, its checks and the ORT programs: sessions, the
+export's manifest, IOBinding to torch tensors, and the float tolerance an export must meet."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from specpass.errors import SpecpassError
+
+MANIFEST_VERSION = 2  # 2: the draft graph's entry is its DraftGraphSpec (ir.draft)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on an export's check
+_NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32, torch.float16: np.float16}
+
+
+def ort_session(onnx_path: str, device: torch.device, cuda_graphs: bool = False):
+    """An ORT session on the CPU EP, or the CUDA EP (optionally with CUDA graphs) for a CUDA device."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise SpecpassError(
+            "the ONNX Runtime backend needs onnxruntime: pip install 'specpass[cpu]' (or 'specpass[gpu]' for CUDA)"
+        ) from exc
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # errors only
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise SpecpassError("the CUDA EP is not available: install onnxruntime-gpu ('specpass[gpu]')")
+        cuda = {"device_id": device.index or 0, "enable_cuda_graph": "1" if cuda_graphs else "0"}
+        providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
+    else:
+        providers = ["CPUExecutionProvider"]
+    return ort.InferenceSession(onnx_path, options, providers=providers)
+
+
+def read_manifest(directory: str) -> dict:
+    if not os.path.isdir(directory):
+        raise SpecpassError(f"no specpass export at {directory!r}: the directory does not exist")
+    path = os.path.join(directory, "manifest.json")
+    if not os.path.exists(path):
+        raise SpecpassError(f"{directory} holds no specpass export (no manifest.json); run `specpass export -o DIR`")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format_version") != MANIFEST_VERSION:
+        raise SpecpassError(
+            f"{path}: manifest format {manifest.get('format_version')!r}, this specpass reads format "
+            f"{MANIFEST_VERSION}: export the model again with this version"
+        )
+    return manifest
+
+
+def bind(session, device: torch.device, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
+    """An IOBinding of `session` to the memory of contiguous torch tensors on `device` (alive until the
+    run: ORT reads and writes their memory)."""
+    binding = session.io_binding()
+    index = device.index or 0
+    for name, tensor in inputs.items():
+        binding.bind_input(name, device.type, index, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
+    for name, tensor in outputs.items():
+        binding.bind_output(name, device.type, index, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
+    return binding

@@ -1,0 +1,135 @@
+"""The draft-graph protocol: a second FX graph beside a step's verify graph, and what it promises.
+
+A rewrite that drafts with a model of its own (draft heads today; an early-exit or layer-skip branch
+tomorrow) adds its graph as the step's submodule `draft` and describes it with a `DraftGraphSpec` in
+`gm.meta[DRAFT_META]`. Everything downstream reads only the spec:
+
+* the verifier checks the graph against it (lint, annotations, inputs in the declared order), then
+  the pass that added it checks its own invariants (`Pass.verify`);
+* the lowerings lower the graph like any other (eager, oneDNN-packed on a CPU) and call it with the
+  declared inputs as keywords, getting the declared outputs as a tuple;
+* the exporter writes it to `draft.onnx` with sample inputs made from the spec (`sample_inputs`),
+  every "N" dimension dynamic, and ONNX Runtime binds outputs it allocates from the spec;
+* a drafter drives the graphs whose `kind` it knows (`drafters.Heads` drives kind "heads") and reads
+  the kind's own `config` (for heads, `heads.modules.HeadsConfig`).
+
+Invariants every draft graph keeps: the verify graph is untouched by adding it; its inputs and outputs
+are exactly the spec's; every input's first dimension is the row count N (rows are independent
+queries, so N is dynamic); weights it shares with the verify step are the step's own modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from specpass.ir.roles import META_KEY, NodeInfo, Role
+
+DRAFT_MODULE = "draft"  # the step's submodule holding the draft graph
+DRAFT_META = "specpass_draft"  # gm.meta key holding its DraftGraphSpec
+ROWS = "N"  # the dynamic row dimension of a draft graph's inputs and outputs
+_DTYPES = {"int64": torch.int64, "bool": torch.bool}
+
+
+@dataclass(frozen=True)
+class DraftTensor:
+    """One input or output of a draft graph."""
+
+    name: str
+    shape: tuple[int | str, ...]  # ROWS ("N") for the row dimension, ints for fixed sizes
+    dtype: str  # "model": the model's float dtype; or "int64", "bool"
+    bound: int | None = None  # int64 inputs: valid values are [0, bound)
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.dtype == "model" else _DTYPES[self.dtype]
+
+    def concrete_shape(self, rows: int) -> tuple[int, ...]:
+        return tuple(rows if d == ROWS else d for d in self.shape)
+
+
+@dataclass(frozen=True)
+class DraftGraphSpec:
+    """What a draft graph takes and returns (see the module docstring)."""
+
+    kind: str  # which drafters drive it ("heads", ...)
+    source: str  # the name of the pass that added it (rebuilds `config` when an export is loaded)
+    inputs: tuple[DraftTensor, ...]
+    outputs: tuple[DraftTensor, ...]
+    config: Any  # the kind's own frozen config
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)
+
+    def to_dict(self) -> dict:
+        """JSON form (for an export's manifest); the config as `dataclasses.asdict` gives it."""
+        config = dataclasses.asdict(self.config) if dataclasses.is_dataclass(self.config) else self.config
+        return {
+            "kind": self.kind,
+            "source": self.source,
+            "inputs": [dataclasses.asdict(t) for t in self.inputs],
+            "outputs": [dataclasses.asdict(t) for t in self.outputs],
+            "config": config,
+        }
+
+    @staticmethod
+    def from_dict(data: dict, config: Any) -> DraftGraphSpec:
+        def tensors(entries):
+            return tuple(DraftTensor(e["name"], tuple(e["shape"]), e["dtype"], e.get("bound")) for e in entries)
+
+        return DraftGraphSpec(data["kind"], data["source"], tensors(data["inputs"]), tensors(data["outputs"]), config)
+
+
+def draft_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    return getattr(gm, DRAFT_MODULE, None)
+
+
+def draft_spec(gm: torch.fx.GraphModule) -> DraftGraphSpec | None:
+    return gm.meta.get(DRAFT_META)
+
+
+def attach_draft(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, spec: DraftGraphSpec) -> None:
+    """Add `draft` to the step as its draft graph described by `spec`."""
+    gm.add_submodule(DRAFT_MODULE, draft)
+    gm.meta[DRAFT_META] = spec
+
+
+def trace_draft(module: nn.Module, roles: dict[str, Role]) -> torch.fx.GraphModule:
+    """The annotated FX graph of a draft module. Nodes of the submodules named in `roles` (call_module
+    targets) get that role, placeholders INPUT, the output OUTPUT, every other node DRAFT."""
+    graph = torch.fx.Tracer().trace(module)
+    draft = torch.fx.GraphModule(module, graph, class_name="DraftGraph")
+    for node in draft.graph.nodes:
+        role = Role.DRAFT
+        if node.op == "placeholder":
+            role = Role.INPUT
+        elif node.op == "output":
+            role = Role.OUTPUT
+        elif node.op == "call_module" and node.target in roles:
+            role = roles[node.target]
+        node.meta[META_KEY] = NodeInfo(role)
+    return draft
+
+
+def sample_inputs(spec: DraftGraphSpec, model_dtype: torch.dtype, rows: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random inputs of `rows` rows within the spec's bounds (for export and the ORT check)."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {}
+    for t in spec.inputs:
+        shape, dtype = t.concrete_shape(rows), t.torch_dtype(model_dtype)
+        if dtype.is_floating_point:
+            inputs[t.name] = torch.randn(shape, generator=gen).to(dtype)
+        elif dtype == torch.bool:
+            inputs[t.name] = torch.rand(shape, generator=gen) < 0.5
+        else:
+            inputs[t.name] = torch.randint(0, t.bound or 2, shape, generator=gen, dtype=dtype)
+    return inputs

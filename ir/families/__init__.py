@@ -1,0 +1,35 @@
+"""The family registry: every model family specpass captures, one module each.
+
+Adding a family = one new module building a `Family` and one entry in FAMILIES; the support lists
+below (and the error messages naming them) follow.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from specpass.errors import UnsupportedArchitectureError
+from specpass.ir.families import llama, mistral, qwen2
+from specpass.ir.families.base import Family, LayerParts, ModelParts
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
+MODELING_MODULES: tuple[str, ...] = tuple(f.modeling_module for f in FAMILIES)
+
+
+def family_named(architecture: str) -> Family:
+    """The family of a HF causal-LM class name; UnsupportedArchitectureError names the supported ones."""
+    for family in FAMILIES:
+        if architecture in family.architectures:
+            return family
+    raise UnsupportedArchitectureError(
+        f"specpass cannot capture {architecture!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def family_of(model: nn.Module) -> Family:
+    return family_named(type(model).__name__)
+
+
+__all__ = ["FAMILIES", "MODELING_MODULES", "SUPPORTED_ARCHITECTURES", "Family", "LayerParts", "ModelParts",
+           "family_named", "family_of"]

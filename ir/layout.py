@@ -1,0 +1,108 @@
+"""The KV-cache slot layout of one verify step: the one definition every cache user reads.
+
+A step verifies T tokens (a draft tree, a chain, or a prompt) over a committed prefix:
+
+    slots [0, committed)                  the committed prefix: every token of the step sees all of it
+    slot  committed + i                   where token i's K/V is written (its write slot)
+    token i sees slot committed + j       iff ancestors[i, j] (j is i or an ancestor of i in the tree)
+    token i's rotary position             committed + depth(i), depth(i) = ancestors[i].sum() - 1
+    kv_len = committed + T                the slots a step attends over
+
+After verification the accepted path (node indices, root first) moves into consecutive slots
+committed, committed + 1, ... (`moves`), and the next step's committed length is committed + len(path).
+
+The layout is built once per step on the host (`SlotLayout`), so no backend ever reads a length back
+from the device. Inside a graph it is encoded two ways, both defined here:
+
+* the static-cache step (rewrites.TreeAttention) takes `cache_slots` = the write slots and
+  `tree_mask` = the ancestor mask; the committed length is `cache_slots[0]` (`slot_visibility`);
+* the functional step (backends.kv_io, for export) takes `past_mask` = `prefix_mask` and `tree_mask`
+  (`past_and_tree_visibility`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class SlotLayout:
+    """Where one step's tokens live in the KV cache (see the module docstring)."""
+
+    committed: int  # slots [0, committed) hold the committed prefix
+    ancestors: torch.Tensor  # [T, T] bool: ancestors[i, j] iff j is i or an ancestor of i
+
+    def __post_init__(self):
+        if self.committed < 0:
+            raise ValueError(f"committed length must be >= 0, got {self.committed}")
+        if self.ancestors.dim() != 2 or self.ancestors.shape[0] != self.ancestors.shape[1] or self.size < 1:
+            raise ValueError(f"ancestors must be a non-empty square [T, T] mask, got {tuple(self.ancestors.shape)}")
+
+    @classmethod
+    def chain(cls, committed: int, size: int, device: torch.device | str = "cpu") -> SlotLayout:
+        """T tokens in a row (a prompt, or a draft chain): token i's ancestors are tokens 0..i-1."""
+        return cls(committed, torch.ones(size, size, dtype=torch.bool, device=device).tril())
+
+    @property
+    def size(self) -> int:
+        """T: the number of tokens the step verifies."""
+        return self.ancestors.shape[0]
+
+    @property
+    def kv_len(self) -> int:
+        """Slots the step attends over: the committed prefix and the step's own write slots."""
+        return self.committed + self.size
+
+    @property
+    def device(self) -> torch.device:
+        return self.ancestors.device
+
+    def write_slots(self) -> torch.Tensor:
+        """[T] int64: the slot each token's K/V is written to."""
+        return torch.arange(self.committed, self.kv_len, device=self.device)
+
+    def positions(self) -> torch.Tensor:
+        """[T] int64: rotary positions, committed length + depth in the tree."""
+        return self.committed + self.ancestors.sum(-1) - 1
+
+    def step_inputs(self, input_ids: torch.Tensor) -> dict:
+        """The static-cache step's inputs for `input_ids` [B, T] laid out here (a chain step reads
+        input_ids, positions and kv_len; a tree step also tree_mask and cache_slots)."""
+        batch = input_ids.shape[0]
+        return {
+            "input_ids": input_ids,  # [B, T]
+            "positions": self.positions()[None].expand(batch, -1),  # [B, T]
+            "kv_len": self.kv_len,
+            "tree_mask": self.ancestors[None].expand(batch, -1, -1),  # [B, T, T]
+            "cache_slots": self.write_slots(),  # [T]
+        }
+
+    def prefix_mask(self, slots: int) -> torch.Tensor:
+        """[T, slots] bool: which of a cache buffer's `slots` slots each token sees as committed prefix."""
+        return (torch.arange(slots, device=self.device) < self.committed).expand(self.size, slots)
+
+    def moves(self, path: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(source slots, destination slots) that compact the accepted `path` (node indices, root first)
+        into slots committed, committed + 1, ...; nodes already in place are left out."""
+        moved = [(self.committed + node, self.committed + i) for i, node in enumerate(path) if node != i]
+        return [s for s, _ in moved], [d for _, d in moved]
+
+
+def slot_visibility(tree_mask: torch.Tensor, cache_slots: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The static-cache encoding: [B, T, T] ancestor mask + [T] write slots -> [B, 1, T, S] attention
+    mask over S = kv_len slots. Slots below cache_slots[0] (the committed length) are the prefix,
+    seen by every token; the step's own slots are seen through the ancestor mask."""
+    key_slots = torch.arange(kv_len, device=cache_slots.device)  # [S]
+    prefix = key_slots < cache_slots[0]  # [S]
+    visible = prefix[None, None, :].expand(tree_mask.shape[0], tree_mask.shape[1], kv_len)  # [B, T, S]
+    visible = visible.index_copy(2, cache_slots, tree_mask)  # the step's columns come from the ancestor mask
+    return visible.unsqueeze(1)  # [B, 1, T, S]
+
+
+def past_and_tree_visibility(past_mask: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+    """The functional encoding (KV as inputs): [B, T, S] prefix mask + [B, T, T] ancestor mask ->
+    [B, 1, T, S + T] attention mask over the past slots followed by the step's own tokens."""
+    return torch.cat((past_mask, tree_mask), dim=-1).unsqueeze(1)

@@ -1,0 +1,56 @@
+"""Queries on an annotated decode-step graph: where its attention, its mask and its cache writes are.
+
+Rewrites (tree attention, KV as inputs/outputs, eviction), the verifier and the exporter find the
+graph's anchors here, never by walking the graph themselves. Each query returns what it found;
+`shared_mask` and `shared_write_slots` return the one node every layer shares, or None when the
+layers do not share one (the caller says why it cannot proceed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from specpass.ir.roles import Role, nodes_with_role
+
+SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def attention_ops(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The scaled_dot_product_attention calls, in graph order (one per layer in a valid step)."""
+    return [n for n in nodes_with_role(graph, Role.ATTENTION) if n.op == "call_function" and n.target is SDPA]
+
+
+def attention_masks(graph: torch.fx.Graph) -> set[torch.fx.Node | None]:
+    """The distinct mask nodes the attention ops read (None for an op without a mask)."""
+    return {n.kwargs.get("attn_mask") for n in attention_ops(graph)}
+
+
+def shared_mask(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The one attention mask every layer reads, or None if there is not exactly one."""
+    masks = attention_masks(graph)
+    return next(iter(masks)) if len(masks) == 1 else None
+
+
+def cache_writes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The in-place cache writes `cache.index_copy_(2, slots, new)`, in graph order (K then V per layer)."""
+    return [n for n in nodes_with_role(graph, Role.CACHE_WRITE) if n.op == "call_method" and n.target == "index_copy_"]
+
+
+def write_slot_indices(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The distinct slot-index nodes the cache writes use."""
+    return {n.args[2] for n in cache_writes(graph)}
+
+
+def shared_write_slots(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The one slot index every cache write uses, or None if there is not exactly one."""
+    indices = write_slot_indices(graph)
+    return next(iter(indices)) if len(indices) == 1 else None
+
+
+def cache_buffer(write: torch.fx.Node) -> str:
+    """Which cache buffer (`k_cache` or `v_cache`) a cache write writes into."""
+    node = write.args[0]
+    while node.op != "get_attr":
+        node = node.args[0]
+    return node.target
