@@ -20,8 +20,14 @@ class ArchSpec:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    sliding_window: int | None
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: full attention)
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def smallest_window(self) -> int | None:
+        """The narrowest sliding window of any layer (None: every layer attends to the whole cache)."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return min(windows) if windows else None
 
     @property
     def kv_groups(self) -> int:
@@ -51,6 +57,6 @@ def arch_spec(model: torch.nn.Module) -> ArchSpec:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         vocab_size=config.vocab_size,
-        sliding_window=family.sliding_window(config),
+        layer_windows=family.layer_windows(config),
         eos_token_ids=_eos_ids(model),
     )

@@ -10,6 +10,7 @@ from torch import nn
 
 from specpass.errors import InvalidParameterError
 from specpass.ir import decode_step as ds
+from specpass.ir import ops
 from specpass.ir.arch import ArchSpec, arch_spec
 from specpass.ir.draft import DRAFT_MODULE
 from specpass.ir.families import ModelParts, family_of
@@ -24,20 +25,31 @@ _MODULE_ROLES: dict[type, Role] = {
     ds.RotaryPositions: Role.ROPE,
     ds.ApplyRope: Role.ROPE,
     ds.CausalMask: Role.MASK,
+    ds.EmbedScaling: Role.EMBED,
+    ds.LogitScaling: Role.LM_HEAD,
     ds.CacheSlots: Role.CACHE_INDEX,
     ds.CacheWrite: Role.CACHE_WRITE,
     ds.AttentionCore: Role.ATTENTION,
     ds.Attention: Role.ATTENTION,
     ds.DecoderBlock: Role.RESIDUAL,
 }
+_FUNCTION_ROLES = {  # ir.ops functions, kept as single nodes
+    ops.sliding_window_visibility: Role.MASK,
+    ops.softcapped_attention: Role.ATTENTION,
+}
 _NAMED_ROLES = {  # attribute names of the family's submodules in ds.DecodeStep
     "embed_tokens": Role.EMBED,
+    "qkv_proj": Role.QKV,
     "q_proj": Role.Q,
     "k_proj": Role.K,
     "v_proj": Role.V,
     "o_proj": Role.O,
-    "input_layernorm": Role.NORM,
-    "post_attention_layernorm": Role.NORM,
+    "q_norm": Role.NORM,
+    "k_norm": Role.NORM,
+    "attention_norm": Role.NORM,
+    "attention_out_norm": Role.NORM,
+    "mlp_norm": Role.NORM,
+    "mlp_out_norm": Role.NORM,
     "norm": Role.NORM,
     "mlp": Role.MLP,
     "lm_head": Role.LM_HEAD,
@@ -70,6 +82,8 @@ def _node_info(node: torch.fx.Node) -> NodeInfo:
     for name, module_type in reversed(list(stack.values())):  # innermost first
         role = role or _role_of_module(name, module_type)
         layer = layer if layer is not None else _layer_of(name)
+    if node.op == "call_function" and node.target in _FUNCTION_ROLES:
+        role = _FUNCTION_ROLES[node.target]
     if role is None and node.op == "call_function" and any(
         isinstance(a, torch.fx.Node) and a.meta[META_KEY].role is Role.CACHE for a in node.args
     ):
@@ -87,6 +101,9 @@ class _AnnotatingTracer(torch.fx.Tracer):
 
     proxy_buffer_attributes = True
 
+    def __init__(self):
+        super().__init__(autowrap_functions=ops.GRAPH_FUNCTIONS)
+
 
 def capture(model: nn.Module, cache_size: int = 2048, batch_size: int = 1) -> torch.fx.GraphModule:
     """Capture `model` (a supported HF causal LM) as an annotated decode-step GraphModule.
@@ -100,16 +117,18 @@ def capture(model: nn.Module, cache_size: int = 2048, batch_size: int = 1) -> to
         raise InvalidParameterError(f"cache_size must be >= 2, got {cache_size}")
     if batch_size < 1:
         raise InvalidParameterError(f"batch_size must be >= 1, got {batch_size}")
-    if spec.sliding_window is not None and cache_size > spec.sliding_window:
-        raise InvalidParameterError(
-            f"cache_size {cache_size} exceeds the model's sliding window {spec.sliding_window}; "
-            "specpass attends over full windows only, so use cache_size <= sliding_window"
-        )
     param = next(model.parameters())
     shape = (spec.num_layers, batch_size, spec.num_kv_heads, cache_size, spec.head_dim)
     k_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
     v_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
     parts = family_of(model).parts(model)
+    for rotary in parts.rotaries:
+        if rotary.exact_positions is not None and cache_size > rotary.exact_positions:
+            raise InvalidParameterError(
+                f"cache_size {cache_size} exceeds {rotary.exact_positions} positions, past which the model's "
+                "rotary scaling changes its frequencies with the sequence length; use cache_size <= "
+                f"{rotary.exact_positions}"
+            )
     step = ds.DecodeStep(parts, spec, k_cache, v_cache).eval()
     tracer = _AnnotatingTracer()
     graph = tracer.trace(step)

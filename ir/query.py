@@ -11,23 +11,37 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from specpass.ir.ops import sliding_window_visibility, softcapped_attention
 from specpass.ir.roles import Role, nodes_with_role
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
+ATTENTION_FUNCTIONS = (SDPA, softcapped_attention)
 
 
 def attention_ops(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The scaled_dot_product_attention calls, in graph order (one per layer in a valid step)."""
-    return [n for n in nodes_with_role(graph, Role.ATTENTION) if n.op == "call_function" and n.target is SDPA]
+    """The attention calls (SDPA, or soft-capped attention), in graph order (one per layer in a valid step)."""
+    return [
+        n for n in nodes_with_role(graph, Role.ATTENTION) if n.op == "call_function" and n.target in ATTENTION_FUNCTIONS
+    ]
+
+
+def base_mask(mask: torch.fx.Node | None) -> torch.fx.Node | None:
+    """The mask under a sliding-window layer's restriction (`ir.ops.sliding_window_visibility`), or
+    `mask` itself: the slot-layout mask that rewrites replace."""
+    while mask is not None and mask.op == "call_function" and mask.target is sliding_window_visibility:
+        mask = mask.args[0]
+    return mask
 
 
 def attention_masks(graph: torch.fx.Graph) -> set[torch.fx.Node | None]:
-    """The distinct mask nodes the attention ops read (None for an op without a mask)."""
-    return {n.kwargs.get("attn_mask") for n in attention_ops(graph)}
+    """The distinct base masks the attention ops read (None for an op without a mask); a sliding-window
+    layer reads its window over one of them."""
+    return {base_mask(n.kwargs.get("attn_mask")) for n in attention_ops(graph)}
 
 
 def shared_mask(graph: torch.fx.Graph) -> torch.fx.Node | None:
-    """The one attention mask every layer reads, or None if there is not exactly one."""
+    """The one base attention mask every layer reads (through its window, if it has one), or None if
+    there is not exactly one."""
     masks = attention_masks(graph)
     return next(iter(masks)) if len(masks) == 1 else None
 

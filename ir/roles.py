@@ -14,6 +14,7 @@ class Role(enum.Enum):
     INPUT = "input"
     OUTPUT = "output"
     EMBED = "embed"
+    QKV = "qkv"  # a fused q/k/v projection
     Q = "q"
     K = "k"
     V = "v"

@@ -83,9 +83,12 @@ def _verify_layers(graph: torch.fx.Graph, num_layers: int) -> None:
     for node in query.cache_writes(graph):
         per_layer[info(node).layer, Role.CACHE_WRITE] += 1
     for layer in range(num_layers):
-        for role in (Role.Q, Role.K, Role.V, Role.O):
+        fused = per_layer[layer, Role.QKV]
+        for role in (Role.O,) if fused else (Role.Q, Role.K, Role.V, Role.O):
             if per_layer[layer, role] != 1:
                 _fail(f"layer {layer} has {per_layer[layer, role]} {role.value} projections, expected 1")
+        if fused and (fused != 1 or any(per_layer[layer, r] for r in (Role.Q, Role.K, Role.V))):
+            _fail(f"layer {layer} has {fused} fused qkv projections besides q/k/v ones, expected one fused or three")
         if per_layer[layer, Role.CACHE_WRITE] != 2:
             _fail(f"layer {layer} has {per_layer[layer, Role.CACHE_WRITE]} cache writes, expected 2 (k, v)")
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import query
+from specpass.ir import arch_of, is_captured_step, query
 from specpass.ir.layout import slot_visibility
 from specpass.ir.roles import Role, annotate, info, placeholder
 from specpass.passes.base import Pass, PassResult
@@ -70,6 +70,10 @@ class TreeAttention(Pass):
             return f"expected one slot index shared by all cache writes, found {len(query.write_slot_indices(graph))}"
         if info(index).role is not Role.CACHE_INDEX:
             return f"cache writes index with {index.name}, not the captured cache slots"
+        window = arch_of(gm).smallest_window if is_captured_step(gm) else None
+        if window is not None and self.max_nodes >= window:
+            return (f"trees of up to {self.max_nodes} nodes can reach as deep as the model's sliding window "
+                    f"({window}), where the window mask stops being exact; use max_nodes < {window}")  # fmt: skip
         return None
 
     def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:

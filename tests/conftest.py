@@ -1,20 +1,7 @@
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-
-
-def tiny_model(arch: str = "llama", seed: int = 0):
-    torch.manual_seed(seed)
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    if arch == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**TINY)).eval()
-    if arch == "mistral":
-        return MistralForCausalLM(MistralConfig(**TINY, sliding_window=128)).eval()
-    raise ValueError(arch)
+from specpass.tiny_models import TINY_ARCHS, TINY_CONFIGS, WINDOW, tiny_model  # noqa: F401 (tests import them here)
 
 
 def peaked_tiny_model():

@@ -80,7 +80,8 @@ def test_hf_custom_generate_hook():
     model = tiny_model("mistral")
     ids = torch.randint(0, 96, (1, 6))
     reference = model.generate(ids, max_new_tokens=16, do_sample=False)
-    out = model.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=specpass.custom_generate({"cache_size": 128}))
+    options = {"cache_size": 128, "pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(16))}  # < window 18
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=specpass.custom_generate(options))
     assert torch.equal(out, reference)
 
 

@@ -35,10 +35,12 @@ class Block(nn.Module):
 
     def __init__(self, parts, arch):
         super().__init__()
-        self.input_norm, self.post_attention_norm, self.mlp = parts.input_norm, parts.post_attention_norm, parts.mlp
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = parts.q_proj, parts.k_proj, parts.v_proj, parts.o_proj
-        self.head_dim, self.scale, self.gqa = arch.head_dim, parts.attention_scale, arch.kv_groups > 1
-        self.rope = ApplyRope()
+        attention = parts.attention  # a Llama layer: separate projections, norms before attention and MLP
+        self.input_norm, self.mlp_norm, self.mlp = parts.attention_norm, parts.mlp_norm, parts.mlp
+        self.q_proj, self.k_proj = attention.q_proj, attention.k_proj
+        self.v_proj, self.o_proj = attention.v_proj, attention.o_proj
+        self.head_dim, self.scale, self.gqa = arch.head_dim, attention.scale, arch.kv_groups > 1
+        self.rope = ApplyRope(arch.head_dim, arch.head_dim)
 
     def forward(self, h, cos, sin):  # h [N, W, H]
         n, w = h.shape[0], h.shape[1]
@@ -49,7 +51,7 @@ class Block(nn.Module):
         q, k = self.rope(q, k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
         h = h + self.o_proj(out.transpose(1, 2).reshape(n, w, -1))
-        return h + self.mlp(self.post_attention_norm(h))
+        return h + self.mlp(self.mlp_norm(h))
 
 
 class TruncatedModel(nn.Module):
@@ -58,7 +60,7 @@ class TruncatedModel(nn.Module):
     def __init__(self, parts, layers: int, arch):
         super().__init__()
         self.embed_tokens, self.norm, self.lm_head = parts.embed_tokens, parts.norm, parts.lm_head
-        self.rotary = RotaryPositions(parts.rotary_emb)
+        self.rotary = RotaryPositions(parts.rotaries[0])
         self.blocks = nn.ModuleList(Block(parts.layers[i], arch) for i in range(layers))
 
     def forward(self, tokens):

@@ -16,20 +16,21 @@ from specpass.passes import Pass, PassResult
 
 pytest.importorskip("onnxruntime")
 TREE = specpass.Pipeline(specpass.rewrites.TreeAttention(16))
+EXPORTED = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3")  # q/k norms, soft-capping, local/global layers
 
 
 @pytest.fixture(scope="module")
 def tiny_exports(tmp_path_factory):
-    """The three architectures' tiny models, each exported (with the default checks) once."""
+    """Tiny models of the families, each exported (with the default checks) once."""
     out = {}
-    for arch in ("llama", "qwen2", "mistral"):
+    for arch in EXPORTED:
         model = tiny_model(arch)
         directory = str(tmp_path_factory.mktemp(f"onnx-{arch}"))
         out[arch] = model, export(model, TREE, directory, force=True, progress=False)
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", EXPORTED)
 def test_export_round_trip(tiny_exports, arch):
     model, result = tiny_exports[arch]
     files = set(os.listdir(result.directory))
@@ -38,7 +39,8 @@ def test_export_round_trip(tiny_exports, arch):
     assert manifest["architecture"] == type(model).__name__ and manifest["dtype"] == "float32"
     assert [i["name"] for i in manifest["inputs"]] == ["input_ids", "positions", "past_keys", "past_values",
                                                       "past_mask", "tree_mask"]  # fmt: skip
-    assert manifest["inputs"][2]["shape"] == [2, 1, 2, "S", 8] and manifest["outputs"][0]["shape"] == [1, "T", 96]
+    head_dim = getattr(model.config, "head_dim", None) or 8  # 8 = hidden / heads where the config has no head_dim
+    assert manifest["inputs"][2]["shape"] == [2, 1, 2, "S", head_dim] and manifest["outputs"][0]["shape"] == [1, "T", 96]
     assert specpass.Pipeline.from_dict(manifest["pipeline"]) == TREE
     assert result.max_abs_diff is not None and result.max_abs_diff < 1e-4  # ORT vs PyTorch, float32
     import onnx
@@ -90,14 +92,15 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma2", "gemma3"])
 def test_ort_decoding_equals_hf_greedy(tiny_exports, arch):
     model, result = tiny_exports[arch]
     program = specpass.load_onnx(result.directory, cache_size=200)
     for seed in range(3):
         ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(seed))
         out = specpass.generate(program, ids, max_new_tokens=40, eos_token_id=[])
-        reference = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                   eos_token_id=None)  # past the tiny sliding windows (18)
         assert torch.equal(out.sequences, reference)
     assert out.stats.tau > 1.0
 
@@ -188,12 +191,14 @@ def test_cli_generate_on_ort(default_export, capsys):
     assert "identical to greedy: True" in printed and "plain greedy (ORT)" in printed
 
 
-def test_cli_exports_a_local_hf_directory(tmp_path):
+def test_cli_exports_a_local_hf_directory(tmp_path, capsys):
     model = tiny_model("mistral")
     model.save_pretrained(tmp_path / "hf")
     out = tmp_path / "out"
-    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check"]) == 0
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check"]) == 2  # 64-node trees, window 18
+    assert "use max_nodes < 18" in capsys.readouterr().err and not out.exists()
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check", "--pipeline", TREE.to_json()]) == 0
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["architecture"] == "MistralForCausalLM" and manifest["check"] == "skipped"
-    assert main(["export", str(tmp_path / "hf"), "-o", str(out)]) == 2  # exists, no --force
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--pipeline", TREE.to_json()]) == 2  # no --force
     assert main(["export", str(tmp_path / "missing"), "-o", str(tmp_path / "o2")]) == 2

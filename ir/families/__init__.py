@@ -1,7 +1,7 @@
 """The family registry: every model family specpass captures, one module each.
 
-Adding a family = one new module building a `Family` and one entry in FAMILIES; the support lists
-below (and the error messages naming them) follow.
+Adding a family = one new module describing it as a `Family` (how its block differs from Llama's)
+and one entry in FAMILIES; the support lists below (and the error messages naming them) follow.
 """
 
 from __future__ import annotations
@@ -9,10 +9,20 @@ from __future__ import annotations
 from torch import nn
 
 from specpass.errors import UnsupportedArchitectureError
-from specpass.ir.families import llama, mistral, qwen2
-from specpass.ir.families.base import Family, LayerParts, ModelParts
+from specpass.ir.families import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3
+from specpass.ir.families.base import AttentionParts, Block, Family, LayerParts, ModelParts, Rotary, Scalars
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY,
+    qwen2.FAMILY,
+    mistral.FAMILY,
+    qwen3.FAMILY,
+    gemma2.FAMILY,
+    gemma3.FAMILY,
+    phi3.FAMILY,
+    olmo2.FAMILY,
+    granite.FAMILY,
+)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
 MODELING_MODULES: tuple[str, ...] = tuple(f.modeling_module for f in FAMILIES)
 
@@ -31,5 +41,5 @@ def family_of(model: nn.Module) -> Family:
     return family_named(type(model).__name__)
 
 
-__all__ = ["FAMILIES", "MODELING_MODULES", "SUPPORTED_ARCHITECTURES", "Family", "LayerParts", "ModelParts",
-           "family_named", "family_of"]
+__all__ = ["FAMILIES", "MODELING_MODULES", "SUPPORTED_ARCHITECTURES", "AttentionParts", "Block", "Family",
+           "LayerParts", "ModelParts", "Rotary", "Scalars", "family_named", "family_of"]

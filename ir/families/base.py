@@ -1,50 +1,226 @@
-"""What a model family tells the capture: which submodules make up the decoder, and how its config reads.
+"""What a model family tells the capture, as data: how its decoder block differs from Llama's.
 
-A family is registered by one module in this package (`llama.py`, `qwen2.py`, `mistral.py`) that
-builds a `Family` value; `families/__init__.py` lists them, and every support list (the capture's,
-the torch.compile backend's) is derived from that list. `ir.decode_step` builds the static-cache
-step from the `ModelParts` a family returns and never reaches into a model's attribute names itself.
+Every supported family is a pre-norm rotary decoder. What differs between them is small and is
+described here, never written as another copy of the step:
+
+* `Block` names the HF attributes of a layer's norms and where they sit (before attention, on the
+  attention output, before the MLP, on the MLP output), whether q/k/v come from one fused projection,
+  and whether queries and keys are normed per head or over the whole projection;
+* `Scalars` names the config attributes of the family's multipliers (embedding, residual, logits).
+
+Everything else is read from the HF modules themselves, the same way for every family
+(`decoder_parts`): each layer's softmax scale (`self_attn.scaling`), attention-logit soft-capping
+(`self_attn.attn_logit_softcapping`), whether it uses rotary at all (`self_attn.use_rope`), its
+sliding window (`config.layer_types`, or `config.sliding_window` for every layer of a family that
+says so), and its rotary table (one per layer type where the rotary embedding keeps one per type).
+`ir.decode_step` builds the static-cache step from the `ModelParts` this returns and never reaches
+into a model's attribute names itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
+import torch
 from torch import nn
+
+
+QKNorm = Literal["none", "head", "projection"]
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """One rotary table: HF's inverse frequencies and cos/sin scaling, and how far they are exact.
+
+    `exact_positions` is set for rope types whose HF frequencies change with the sequence length
+    (dynamic NTK, longrope): below it HF uses the original frequencies, which the step bakes in.
+    """
+
+    inv_freq: torch.Tensor  # [D_rot / 2] float32 (D_rot < head_dim for partial rotary)
+    scaling: float  # cos/sin multiplier (HF's attention_scaling)
+    exact_positions: int | None = None  # None: the table holds at every position
+
+
+@dataclass(frozen=True)
+class AttentionParts:
+    """The HF submodules of one layer's attention and the constants that shape it."""
+
+    q_proj: nn.Module | None  # separate projections, or
+    k_proj: nn.Module | None
+    v_proj: nn.Module | None
+    qkv_proj: nn.Module | None  # one fused projection whose output is [q | k | v]
+    o_proj: nn.Module
+    q_norm: nn.Module | None  # RMSNorm of the queries before rotary, if any
+    k_norm: nn.Module | None
+    qk_norm: QKNorm  # "head": over each head's D dims (Qwen3, Gemma 3); "projection": over all heads (OLMo 2)
+    scale: float  # softmax scale
+    softcap: float | None  # attention-logit soft-capping: cap * tanh(scores / cap) (Gemma 2)
+    window: int | None  # sliding window: query at p sees keys at p - window < position <= p
+    rotary: int | None  # index into ModelParts.rotaries; None: the layer uses no rotary (NoPE)
 
 
 @dataclass(frozen=True)
 class LayerParts:
-    """The HF submodules of one decoder layer, shared (never copied) by the captured step."""
+    """The HF submodules of one decoder layer, shared (never copied) by the captured step:
 
-    input_norm: nn.Module
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj: nn.Module
-    o_proj: nn.Module
-    post_attention_norm: nn.Module
+        h = h + residual_scale * attention_out_norm(attention(attention_norm(h)))
+        h = h + residual_scale * mlp_out_norm(mlp(mlp_norm(h)))
+
+    with any norm that is None left out."""
+
+    attention_norm: nn.Module | None
+    attention: AttentionParts
+    attention_out_norm: nn.Module | None
+    mlp_norm: nn.Module | None
     mlp: nn.Module
-    attention_scale: float  # the softmax scale of the layer's attention
+    mlp_out_norm: nn.Module | None
+    residual_scale: float = 1.0
 
 
 @dataclass(frozen=True)
 class ModelParts:
-    """The HF submodules of a decoder-only LM, in the order the decode step runs them."""
+    """The HF submodules of a decoder-only LM, in the order the decode step runs them:
+
+        logits = softcap(lm_head(norm(layers(embed_tokens(ids) * embed_scale))) / logit_divisor)"""
 
     embed_tokens: nn.Module
-    rotary_emb: nn.Module  # provides inv_freq and attention_scaling (HF's rotary embedding)
+    rotaries: tuple[Rotary, ...]
     layers: tuple[LayerParts, ...]
     norm: nn.Module
     lm_head: nn.Module
+    embed_scale: float = 1.0
+    logit_divisor: float = 1.0
+    logit_softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where a family's decoder layer differs from Llama's: the HF attribute names of its norms
+    (None: the layer has no such norm) and of its projections."""
+
+    attention_norm: str | None = "input_layernorm"
+    attention_out_norm: str | None = None
+    mlp_norm: str | None = "post_attention_layernorm"
+    mlp_out_norm: str | None = None
+    fused_qkv: str | None = None  # attribute of a fused q/k/v projection (Phi-3: "qkv_proj")
+    qk_norm: QKNorm = "none"
+
+
+@dataclass(frozen=True)
+class Scalars:
+    """Config attribute names of a family's multipliers (None: the family has none)."""
+
+    embedding_multiplier: str | None = None  # embeddings are multiplied by it (Granite)
+    residual_multiplier: str | None = None  # each sub-layer's output is multiplied by it (Granite)
+    logits_divisor: str | None = None  # logits are divided by it (Granite's logits_scaling)
+    final_logit_softcap: str | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
 
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: the HF classes it covers and how to read them."""
+    """One model family: the HF classes it covers and how its decoder differs from Llama's."""
 
     name: str
     architectures: tuple[str, ...]  # HF causal-LM class names
     modeling_module: str  # prefix of the HF modeling module ("transformers.models.llama.")
-    parts: Callable[[nn.Module], ModelParts]  # the model's submodules
-    sliding_window: Callable[[object], int | None]  # the config's attention window (None: full attention)
+    block: Block = field(default_factory=Block)
+    scalars: Scalars = field(default_factory=Scalars)
+    window_on_every_layer: bool = False  # config.sliding_window applies to all layers (Mistral, Phi-3)
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        return decoder_parts(model, self)
+
+    def layer_windows(self, config) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention), as HF's masks apply them."""
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and not self.window_on_every_layer:
+            return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+        return (window if self.window_on_every_layer else None,) * config.num_hidden_layers
+
+
+def decoder_parts(model: nn.Module, family: Family) -> ModelParts:
+    """The submodules of a HF decoder (`model.model.{embed_tokens, rotary_emb, layers, norm}`,
+    `model.lm_head`) laid out as `family` describes."""
+    inner, config, block = model.model, model.config, family.block
+    rotaries, rotary_of_type = _rotaries(inner.rotary_emb, config)
+    windows = family.layer_windows(config)
+    layer_types = getattr(config, "layer_types", None)
+    residual = _scalar(config, family.scalars.residual_multiplier, 1.0)
+    layers = []
+    for index, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        uses_rope = bool(getattr(attn, "use_rope", True))
+        rotary_type = layer_types[index] if rotary_of_type and layer_types is not None else None
+        attention = AttentionParts(
+            q_proj=None if block.fused_qkv else attn.q_proj,
+            k_proj=None if block.fused_qkv else attn.k_proj,
+            v_proj=None if block.fused_qkv else attn.v_proj,
+            qkv_proj=getattr(attn, block.fused_qkv) if block.fused_qkv else None,
+            o_proj=attn.o_proj,
+            q_norm=attn.q_norm if block.qk_norm != "none" else None,
+            k_norm=attn.k_norm if block.qk_norm != "none" else None,
+            qk_norm=block.qk_norm,
+            scale=float(attn.scaling),
+            softcap=getattr(attn, "attn_logit_softcapping", None),
+            window=windows[index],
+            rotary=(rotary_of_type[rotary_type] if rotary_of_type else 0) if uses_rope else None,
+        )
+        layers.append(
+            LayerParts(
+                attention_norm=_norm(layer, block.attention_norm),
+                attention=attention,
+                attention_out_norm=_norm(layer, block.attention_out_norm),
+                mlp_norm=_norm(layer, block.mlp_norm),
+                mlp=layer.mlp,
+                mlp_out_norm=_norm(layer, block.mlp_out_norm),
+                residual_scale=residual,
+            )
+        )
+    scalars = family.scalars
+    return ModelParts(
+        embed_tokens=inner.embed_tokens,
+        rotaries=rotaries,
+        layers=tuple(layers),
+        norm=inner.norm,
+        lm_head=model.lm_head,
+        embed_scale=_scalar(config, scalars.embedding_multiplier, 1.0),
+        logit_divisor=_scalar(config, scalars.logits_divisor, 1.0),
+        logit_softcap=_scalar(config, scalars.final_logit_softcap, None),
+    )
+
+
+def _norm(layer: nn.Module, name: str | None) -> nn.Module | None:
+    return None if name is None else getattr(layer, name)
+
+
+def _scalar(config, name: str | None, default):
+    value = getattr(config, name, None) if name is not None else None
+    return default if value is None else float(value)
+
+
+def _rotaries(rotary_emb: nn.Module, config) -> tuple[tuple[Rotary, ...], dict[str, int]]:
+    """The rotary tables of a HF rotary embedding: one (`inv_freq`), or one per layer type
+    (`{type}_inv_freq`, Gemma 3's local and global tables) with the index of each type."""
+    kinds = getattr(rotary_emb, "layer_types", None)
+    if kinds is None:
+        return (_rotary(rotary_emb, config, rotary_emb.rope_type, ""),), {}
+    tables = tuple(_rotary(rotary_emb, config, rotary_emb.rope_type[kind], f"{kind}_") for kind in kinds)
+    return tables, {kind: i for i, kind in enumerate(kinds)}
+
+
+def _rotary(rotary_emb: nn.Module, config, rope_type: str, prefix: str) -> Rotary:
+    params = config.rope_parameters or {}
+    params = params.get(prefix[:-1]) or {} if prefix else params  # per layer type (Gemma 3)
+    exact = None
+    if "longrope" in rope_type:  # HF switches to the long factors past the original length
+        exact = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    elif "dynamic" in rope_type:  # HF rescales past max_position_embeddings
+        exact = config.max_position_embeddings
+    inv_freq = getattr(rotary_emb, f"{prefix}original_inv_freq", None)  # never the length-updated table
+    if inv_freq is None:
+        inv_freq = getattr(rotary_emb, f"{prefix}inv_freq")
+    scaling = getattr(rotary_emb, f"{prefix}attention_scaling", None)
+    scaling = getattr(rotary_emb, "attention_scaling", 1.0) if scaling is None else scaling
+    return Rotary(inv_freq, float(scaling), exact)

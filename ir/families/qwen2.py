@@ -1,20 +1,8 @@
-"""Qwen2: the Llama layout with q/k/v biases (carried by the projections themselves); a sliding
-window only when the config turns it on (`use_sliding_window`)."""
+"""Qwen2: the Llama block with q/k/v biases (inside HF's projections). With `use_sliding_window` the
+layers from `max_window_layers` on attend through a sliding window (`config.layer_types`)."""
 
 from __future__ import annotations
 
 from specpass.ir.families.base import Family
-from specpass.ir.families.llama import llama_layout
 
-
-def qwen2_window(config) -> int | None:
-    return config.sliding_window if getattr(config, "use_sliding_window", False) else None
-
-
-FAMILY = Family(
-    name="qwen2",
-    architectures=("Qwen2ForCausalLM",),
-    modeling_module="transformers.models.qwen2.",
-    parts=llama_layout,
-    sliding_window=qwen2_window,
-)
+FAMILY = Family(name="qwen2", architectures=("Qwen2ForCausalLM",), modeling_module="transformers.models.qwen2.")

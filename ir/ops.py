@@ -1,0 +1,38 @@
+"""The functions a captured step calls as single graph nodes (the capture never traces into them).
+
+Rewrites and the verifier find them by target (`ir.query`): a sliding-window layer's mask is
+`sliding_window_visibility(base mask, positions, window)` over the step's one shared mask, and a
+soft-capped attention is `softcapped_attention(...)` where other layers call SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sliding_window_visibility(mask: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """A sliding-window layer's mask: `mask` [B, 1, T, S] restricted to keys at index s > position - window
+    (HF: a query at p sees keys at p - window < position <= p).
+
+    Exact for every slot layout (`ir.layout`) whose committed slot s holds position s and whose step
+    slots come after the committed ones, when a tree is shallower than the window: a step token's
+    ancestors then lie within its window, and so does every step slot index."""
+    key_slots = torch.arange(mask.shape[-1], device=positions.device)  # [S]
+    inside = key_slots[None, None, :] > positions[:, :, None] - window  # [B, T, S]
+    return mask & inside.unsqueeze(1)  # [B, 1, T, S]
+
+
+def softcapped_attention(q, k, v, attn_mask, scale: float, softcap: float):
+    """Attention with soft-capped logits, `softcap * tanh(q k^T scale / softcap)`, as HF's eager
+    attention computes it (Gemma 2). q [B, H, T, D], k/v [B, KV, S, D], attn_mask [B, 1, T, S] bool."""
+    b, h, t, d = q.shape
+    kv = k.shape[1]
+    q = q.reshape(b, kv, h // kv, t, d)  # [B, KV, G, T, D]: each K/V head serves its group of query heads
+    scores = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, KV, G, T, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~attn_mask.unsqueeze(1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (weights @ v.unsqueeze(2)).reshape(b, h, t, d)  # [B, H, T, D]
+
+
+GRAPH_FUNCTIONS = (sliding_window_visibility, softcapped_attention)
