@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from specpass.errors import UnsupportedArchitectureError
-from specpass.ir.families import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3
+from specpass.ir.families import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
 from specpass.ir.families.base import AttentionParts, Block, Family, LayerParts, ModelParts, Rotary, Scalars
 
 FAMILIES: tuple[Family, ...] = (
@@ -22,6 +22,7 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,
     olmo2.FAMILY,
     granite.FAMILY,
+    smollm3.FAMILY,
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
 MODELING_MODULES: tuple[str, ...] = tuple(f.modeling_module for f in FAMILIES)

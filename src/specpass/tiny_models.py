@@ -39,6 +39,7 @@ TINY_CONFIGS = {
     "granite": ("GraniteForCausalLM", "GraniteConfig",
                 {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
                  "logits_scaling": 4.0}),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {**IN_VOCAB, "no_rope_layers": [1, 0]}),
 }  # fmt: skip
 TINY_ARCHS = tuple(TINY_CONFIGS)
 
