@@ -17,7 +17,6 @@ the first differing position), greedy and sampled; the run fails (exit 1) when a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import torch
 
 import specpass
 from specpass import prompts as P
-from specpass.bench import _slug, device_label, run_identity
+from specpass.bench import run_identity, write_report
 from specpass.drafters.registry import drafter_by_name
 
 CODE_OFFSET, CHAT_OFFSET = 140, 10
@@ -115,7 +114,6 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
     for row in results.values():
         row["tau"] = round(row["tau"] / row["prompts"], 3)  # mean per-prompt tau (a sanity figure, not a benchmark)
         row["sampled_tau"] = round(row["sampled_tau"] / row["prompts"], 3)
-    label = device_label(device)
     report = {
         **run_identity(device),
         "max_new_tokens": max_new_tokens,
@@ -125,10 +123,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
         "sampling": [dict(s, seed="prompt index") for s in SAMPLING],
         "results": results,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"lossless-{_slug(label)}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+    path = write_report(report, out_dir, "lossless-")
     for name, row in results.items():
         print(f"{name:24s} {row['prompts']} prompts, {len(row['differing'])} differing, mean tau {row['tau']}; "
               f"sampled: {len(row['sampled_differing'])} differing, mean tau {row['sampled_tau']}")  # fmt: skip

@@ -14,8 +14,6 @@ Writes sampling-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -23,7 +21,7 @@ import torch
 
 import specpass
 from specpass import prompts as P
-from specpass.bench import CODE_OFFSET, _slug, device_label, run_identity
+from specpass.bench import CODE_OFFSET, run_identity, write_report
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9)
 
@@ -105,13 +103,9 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
         r["speedup_kept_when_sampling"] = round(sampling_speedup / greedy_speedup, 3)
         print(f"{set_name}: greedy {greedy_speedup:.2f}x HF greedy, sampling {sampling_speedup:.2f}x HF sampling "
               f"-> {sampling_speedup / greedy_speedup:.0%} kept", flush=True)  # fmt: skip
-    label = device_label(device)
     report = {**run_identity(device), "max_new_tokens": max_new_tokens, "prompts_per_set": prompts_per_set,
               "sampling": dict(SAMPLING, seed="prompt index"), "results": results}  # fmt: skip
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"sampling-{_slug(label)}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+    path = write_report(report, out_dir, "sampling-")
     print(f"wrote {path}")
     return report
 

@@ -79,6 +79,15 @@ def _slug(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
 
 
+def write_report(report: dict, out_dir: str, prefix: str = "") -> str:
+    """Writes `report` to OUT_DIR/<prefix><device slug>.json and returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{prefix}{_slug(report['device'])}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    return path
+
+
 class _ForwardCounter:
     def __init__(self, model):
         self.calls = 0
@@ -265,7 +274,6 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
         results[set_name] = rows
 
     curves, kernels = _cost_curves(model, device, skipped)
-    label = device_label(device)
     report = {
         **run_identity(device),
         "prompts_per_set": prompts_per_set,
@@ -278,11 +286,8 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
         "cost_curves": curves,
         "auto_lowering_per_tree_size": kernels,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{_slug(label)}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    _plot(report, os.path.join(out_dir, f"{_slug(label)}.png"))
+    path = write_report(report, out_dir)
+    _plot(report, path.removesuffix(".json") + ".png")
     _print(report)
     print(f"wrote {path}")
     return report
