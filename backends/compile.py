@@ -41,6 +41,7 @@ class CompiledStep:
 
     run: Callable  # the lowering (EagerStep, FastestPerSize or CudaGraphStep): run(input_ids, layout)
     draft: Callable | None  # the lowered draft graph (ir.draft), if the pipeline adds one: draft.run_graph(inputs)
+    resume: Callable | None  # with a cache-sharing draft graph: the lowered resume graph (ir.split)
     graph_module: torch.fx.GraphModule  # the rewritten graph, owner of the KV cache buffers
     report: PassReport
     arch: ArchSpec
@@ -58,8 +59,9 @@ def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions) -> CompiledStep
     """Run the pipeline on a captured step (verified after every pass) and lower it."""
     rewritten, report = opts.pipeline.run(gm)
     max_nodes = opts.pipeline.largest_tree()
-    run, draft = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes, rewritten.k_cache.shape[3])
-    return CompiledStep(run, draft, rewritten, report, arch_of(rewritten), max_nodes)
+    run, draft, resume = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes,
+                               rewritten.k_cache.shape[3])  # fmt: skip
+    return CompiledStep(run, draft, resume, rewritten, report, arch_of(rewritten), max_nodes)
 
 
 def check_dynamo_graph(gm: torch.fx.GraphModule) -> None:

@@ -152,7 +152,11 @@ def generate(
         size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
         tree = tree.prefix(size)
         layout = SlotLayout(cached, tree.ancestor_mask().to(device))
-        logits, hidden = program.forward(torch.tensor(tree.tokens, device=device), layout)  # [T, V], [T, H]
+        exit_states = drafting.precomputed(tree) if program.resumes_from_exit else None  # [T, H] or None
+        if exit_states is not None:  # the early-exit draft ran these nodes' lower layers in their slots
+            logits, hidden = program.forward_from_exit(exit_states, layout)  # [T, V], [T, H]
+        else:
+            logits, hidden = program.forward(torch.tensor(tree.tokens, device=device), layout)  # [T, V], [T, H]
         topk = logits.topk(top_k, dim=-1).indices.cpu()  # [T, k]
         choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
         verified = TargetForward(topk, hidden, choices)

@@ -11,7 +11,7 @@ import torch.fx
 from specpass.backends import onednn
 from specpass.backends.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
-from specpass.ir.draft import draft_graph
+from specpass.ir.draft import draft_graph, resume_graph
 from specpass.ir.layout import SlotLayout
 
 
@@ -49,18 +49,23 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
 
 def lower(
     gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int
-) -> tuple[Callable, EagerStep | None]:
-    """(the lowered verify step, the lowered draft graph or None). The draft graph runs eagerly, on
-    oneDNN-packed weights on a CPU (sharing the verify step's packed LM head)."""
+) -> tuple[Callable, EagerStep | None, EagerStep | None]:
+    """(the lowered verify step, the lowered draft graph or None, the lowered resume graph or None).
+    The side graphs (ir.draft) run eagerly, on oneDNN-packed weights on a CPU (sharing the verify
+    step's packed weights: its LM head, and for a resume graph its layers)."""
     kinds = resolve_lowering(lowering, device, gm.k_cache.dtype)
     packed: dict = {}  # oneDNN-packed weights, shared by the graphs lowered here
     steps = {kind: _lower_one(gm, kind, device, max_nodes, cache_size, packed) for kind in kinds}
-    draft = draft_graph(gm)
-    if draft is not None:
-        draft = EagerStep(onednn.pack_linears(draft, packed), kind="onednn") if packed else EagerStep(draft)
+    draft, resume = (_lower_side(g, packed) for g in (draft_graph(gm), resume_graph(gm)))
     if len(steps) == 1:
-        return steps[kinds[0]], draft
-    return FastestPerSize(steps, default=kinds[-1]), draft
+        return steps[kinds[0]], draft, resume
+    return FastestPerSize(steps, default=kinds[-1]), draft, resume
+
+
+def _lower_side(graph: torch.fx.GraphModule | None, packed: dict) -> EagerStep | None:
+    if graph is None:
+        return None
+    return EagerStep(onednn.pack_linears(graph, packed), kind="onednn") if packed else EagerStep(graph)
 
 
 def _lower_one(gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int,

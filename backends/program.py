@@ -21,6 +21,7 @@ from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import Drafter
 from specpass.ir import DraftGraphSpec, SlotLayout, capture, draft_spec
+from specpass.ir.split import EXIT_HIDDEN
 
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
@@ -68,11 +69,17 @@ class DecodeProgram(ABC):
         self._cost: cost.CostCurve | None = None
 
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
+    resumes_from_exit = False  # True: `forward_from_exit` verifies a chain the early-exit draft ran
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Run tokens [T] int64 laid out by `layout` (its ancestor mask is a chain's when the program
         does not verify trees); returns logits [T, V], hidden [T, H]."""
+
+    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify tokens whose layers below the early exit already ran in their slots (their states after
+        those layers: exit_hidden [T, H]); returns logits [T, V], hidden [T, H] as `forward` does."""
+        raise NotImplementedError(f"{type(self).__name__} has no resume graph")
 
     @abstractmethod
     def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
@@ -116,9 +123,15 @@ class SpeculativeProgram(DecodeProgram):
         self.max_nodes = self.step.max_nodes
         if self.step.draft is not None:
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
+        self.resumes_from_exit = self.step.resume is not None
 
     def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         logits, hidden = self.step(tokens[None], layout)[:2]  # [1, T, V], [1, T, H]
+        return logits[0], hidden[0]
+
+    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = layout.step_inputs(exit_hidden[None]) | {EXIT_HIDDEN: exit_hidden[None]}  # [1, T, H]
+        logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [1, T, V], [1, T, H]
         return logits[0], hidden[0]
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:

@@ -12,7 +12,7 @@ from specpass.errors import InvalidParameterError
 from specpass.ir import decode_step as ds
 from specpass.ir import ops
 from specpass.ir.arch import ArchSpec, arch_spec
-from specpass.ir.draft import DRAFT_MODULE
+from specpass.ir.draft import SIDE_GRAPHS
 from specpass.ir.families import ModelParts, family_of
 from specpass.ir.roles import META_KEY, NodeInfo, Role
 from specpass.ir.verify import verify
@@ -157,9 +157,10 @@ def is_captured_step(gm: torch.fx.GraphModule) -> bool:
 
 def copy_step(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new GraphModule with a copied graph (node meta included) sharing gm's parameters, buffers
-    and draft graph."""
+    and side graphs (draft, resume)."""
     new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.meta.update(gm.meta)
-    if hasattr(gm, DRAFT_MODULE):  # not referenced by the verify graph, so GraphModule would drop it
-        new.add_submodule(DRAFT_MODULE, getattr(gm, DRAFT_MODULE))
+    for name in SIDE_GRAPHS:  # not referenced by the verify graph, so GraphModule would drop them
+        if hasattr(gm, name):
+            new.add_submodule(name, getattr(gm, name))
     return new

@@ -14,8 +14,15 @@ tomorrow) adds its graph as the step's submodule `draft` and describes it with a
   the kind's own `config` (for heads, `heads.modules.HeadsConfig`).
 
 Invariants every draft graph keeps: the verify graph is untouched by adding it; its inputs and outputs
-are exactly the spec's; every input's first dimension is the row count N (rows are independent
-queries, so N is dynamic); weights it shares with the verify step are the step's own modules.
+are exactly the spec's; weights it shares with the verify step are the step's own modules. A draft
+graph is called one of two ways:
+
+* by rows (heads): every input's first dimension is the row count N (rows are independent queries,
+  so N is dynamic); it reads no cache;
+* as a step (`shares_cache`: an early exit, ir.split): it takes the verify step's own inputs for the
+  tokens it runs (`SlotLayout.step_inputs`) and writes the step's KV cache for the layers it runs.
+  Such a draft comes with a resume graph (`RESUME_MODULE`) that finishes the remaining layers from
+  the draft's hidden state, so a token the draft ran is never run through those layers again.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from torch import nn
 from specpass.ir.roles import META_KEY, NodeInfo, Role
 
 DRAFT_MODULE = "draft"  # the step's submodule holding the draft graph
+RESUME_MODULE = "resume"  # with a cache-sharing draft graph: the step's layers after the draft's (ir.split)
+SIDE_GRAPHS = (DRAFT_MODULE, RESUME_MODULE)  # submodules the verify graph does not call, kept with it
 DRAFT_META = "specpass_draft"  # gm.meta key holding its DraftGraphSpec
 ROWS = "N"  # the dynamic row dimension of a draft graph's inputs and outputs
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
@@ -42,7 +51,7 @@ class DraftTensor:
 
     name: str
     shape: tuple[int | str, ...]  # ROWS ("N") for the row dimension, ints for fixed sizes
-    dtype: str  # "model": the model's float dtype; or "int64", "bool"
+    dtype: str  # "model": the model's float dtype; or "int64", "bool"; "step": one of the verify step's own inputs
     bound: int | None = None  # int64 inputs: valid values are [0, bound)
 
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -61,6 +70,7 @@ class DraftGraphSpec:
     inputs: tuple[DraftTensor, ...]
     outputs: tuple[DraftTensor, ...]
     config: Any  # the kind's own frozen config
+    shares_cache: bool = False  # called as a step, writing the verify step's KV cache (see the module docstring)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -79,6 +89,7 @@ class DraftGraphSpec:
             "inputs": [dataclasses.asdict(t) for t in self.inputs],
             "outputs": [dataclasses.asdict(t) for t in self.outputs],
             "config": config,
+            "shares_cache": self.shares_cache,
         }
 
     @staticmethod
@@ -86,7 +97,8 @@ class DraftGraphSpec:
         def tensors(entries):
             return tuple(DraftTensor(e["name"], tuple(e["shape"]), e["dtype"], e.get("bound")) for e in entries)
 
-        return DraftGraphSpec(data["kind"], data["source"], tensors(data["inputs"]), tensors(data["outputs"]), config)
+        return DraftGraphSpec(data["kind"], data["source"], tensors(data["inputs"]), tensors(data["outputs"]), config,
+                              data.get("shares_cache", False))  # fmt: skip
 
 
 def draft_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
@@ -97,9 +109,19 @@ def draft_spec(gm: torch.fx.GraphModule) -> DraftGraphSpec | None:
     return gm.meta.get(DRAFT_META)
 
 
-def attach_draft(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, spec: DraftGraphSpec) -> None:
-    """Add `draft` to the step as its draft graph described by `spec`."""
+def resume_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    return getattr(gm, RESUME_MODULE, None)
+
+
+def attach_draft(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, spec: DraftGraphSpec,
+                 resume: torch.fx.GraphModule | None = None) -> None:  # fmt: skip
+    """Add `draft` to the step as its draft graph described by `spec` (and a cache-sharing draft's
+    resume graph)."""
+    if spec.shares_cache != (resume is not None):
+        raise ValueError("a draft graph that shares the cache comes with a resume graph, and only such a one")
     gm.add_submodule(DRAFT_MODULE, draft)
+    if resume is not None:
+        gm.add_submodule(RESUME_MODULE, resume)
     gm.meta[DRAFT_META] = spec
 
 

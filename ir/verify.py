@@ -12,7 +12,7 @@ import torch.fx
 
 from specpass.errors import GraphVerificationError
 from specpass.ir import query
-from specpass.ir.draft import draft_graph, draft_spec
+from specpass.ir.draft import draft_graph, draft_spec, resume_graph
 from specpass.ir.roles import META_KEY, Role, info, placeholder
 
 REQUIRED_INPUTS = ("input_ids", "positions", "kv_len")
@@ -60,7 +60,7 @@ def _lint(graph: torch.fx.Graph, what: str) -> None:
 
 def _verify_draft(gm: torch.fx.GraphModule) -> None:
     """A draft graph (ir.draft) and its spec come together; the graph lints, is annotated and takes
-    exactly the spec's inputs, in order."""
+    exactly the spec's inputs, in order; a cache-sharing one comes with a linted, annotated resume graph."""
     draft, spec = draft_graph(gm), draft_spec(gm)
     if draft is None and spec is None:
         return
@@ -73,6 +73,13 @@ def _verify_draft(gm: torch.fx.GraphModule) -> None:
     inputs = tuple(n.target for n in draft.graph.nodes if n.op == "placeholder")
     if inputs != spec.input_names:
         _fail(f"the draft graph's inputs are {list(inputs)}, its spec declares {list(spec.input_names)}")
+    resume = resume_graph(gm)
+    if spec.shares_cache != (resume is not None):
+        _fail("a draft graph that shares the KV cache comes with a resume graph, and only such a one")
+    if resume is not None:
+        _lint(resume.graph, "resume graph")
+        if any(META_KEY not in node.meta for node in resume.graph.nodes):
+            _fail("a resume graph node has no specpass annotation")
 
 
 def _verify_layers(graph: torch.fx.Graph, num_layers: int) -> None:

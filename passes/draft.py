@@ -31,6 +31,10 @@ class DraftGraphPass(Pass):
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
         """(the annotated draft graph, its spec, a one-line summary of what it is)."""
 
+    def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+        """A cache-sharing draft graph's resume graph (ir.draft); None for a draft graph read by rows."""
+        return None
+
     @classmethod
     def config_from_dict(cls, data: dict) -> Any:
         """The spec's config from its JSON form (DraftGraphSpec.to_dict); default: the dict itself."""
@@ -43,7 +47,7 @@ class DraftGraphPass(Pass):
 
     def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:
         draft, spec, summary = self.build_draft(gm)
-        attach_draft(gm, draft, spec)
+        attach_draft(gm, draft, spec, self.build_resume(gm))
         return PassResult(gm, True, f"added a draft graph: {summary} ({len(draft.graph.nodes)} nodes)")
 
     def verify(self, gm: torch.fx.GraphModule) -> None:

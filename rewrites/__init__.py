@@ -2,6 +2,8 @@
 Pipeline.from_json through passes.registry."""
 
 from specpass.rewrites.draft_heads import DRAFT_HEADS, HEADS_KIND, DraftHeads
+from specpass.rewrites.early_exit import EARLY_EXIT, EARLY_EXIT_KIND, EarlyExit, EarlyExitConfig
 from specpass.rewrites.tree_attention import TREE_ATTENTION, TreeAttention
 
-__all__ = ["DRAFT_HEADS", "HEADS_KIND", "TREE_ATTENTION", "DraftHeads", "TreeAttention"]
+__all__ = ["DRAFT_HEADS", "EARLY_EXIT", "EARLY_EXIT_KIND", "HEADS_KIND", "TREE_ATTENTION", "DraftHeads", "EarlyExit",
+           "EarlyExitConfig", "TreeAttention"]

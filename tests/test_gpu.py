@@ -18,8 +18,8 @@ BF16_TIE_ULPS = 2  # a bf16 near-tie: the top-2 logits within 2 units in the las
 def test_cuda_graph_step_equals_eager_step():
     model = tiny_model("llama").cuda()
     gm, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(model, cache_size=512))
-    eager, _ = lower(gm, "eager", torch.device("cuda"), 16, 512)
-    graphed, _ = lower(gm, "cudagraphs", torch.device("cuda"), 16, 512)
+    eager, _, _ = lower(gm, "eager", torch.device("cuda"), 16, 512)
+    graphed, _, _ = lower(gm, "cudagraphs", torch.device("cuda"), 16, 512)
     prompt = torch.randint(0, 96, (1, 40), device="cuda")
     for step in (eager, graphed):  # same prefill in both
         step(prompt, SlotLayout.chain(0, 40, "cuda"))

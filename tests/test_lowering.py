@@ -66,7 +66,7 @@ def test_onednn_graph_replaces_every_linear_and_keeps_annotations():
 @needs_onednn
 def test_auto_lowering_runs_each_tree_size_on_the_kernel_measured_faster():
     _, gm = _tree_step("llama")
-    step, _ = lower(gm, "auto", torch.device("cpu"), 16, 128)
+    step, _, _ = lower(gm, "auto", torch.device("cpu"), 16, 128)
     assert isinstance(step, FastestPerSize) and step.kinds == ("eager", "onednn")
     assert step.kind_for(1) == step.kind_for(30) == "onednn"  # nothing measured yet: the default
     # As on an AMX Xeon: eager cheaper for small T, oneDNN from T = 16 (prefill of 30 tokens on oneDNN).
@@ -133,7 +133,7 @@ def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_
     model = tiny_model("llama")
     pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(16)) if tree_step else specpass.Pipeline()
     gm, _ = pipeline.run(capture(model, cache_size=128))
-    step, _ = lower(gm, "eager", torch.device("cpu"), 16, 128)
+    step, _, _ = lower(gm, "eager", torch.device("cpu"), 16, 128)
     step(torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(2)), SlotLayout.chain(0, 30))
     prefix = gm.k_cache[:, :, :, :30].clone()
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)

@@ -1,8 +1,10 @@
-"""Drafters feeding the tree verifier: training-free (prompt lookup, token recycling) and draft heads."""
+"""Drafters feeding the tree verifier: training-free (prompt lookup, token recycling), draft heads and
+the model's own first layers (self-drafting)."""
 
 from specpass.drafters.base import Combined, Drafter, Drafting, DraftModel, DraftSession, TargetForward, expected_tokens
 from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
+from specpass.drafters.self_draft import SelfDraft
 from specpass.drafters.token_recycling import TokenRecycling
 from specpass.drafters.tree import Candidate, DraftTree, accept_greedy, build_tree
 
@@ -22,6 +24,7 @@ __all__ = [
     "Drafting",
     "Heads",
     "PromptLookup",
+    "SelfDraft",
     "TokenRecycling",
     "TargetForward",
     "accept_greedy",

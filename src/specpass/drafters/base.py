@@ -51,6 +51,12 @@ class DraftSession(ABC):
         """Learn from a verify step of `tree` whose accepted nodes are `path`; tokens is the sequence
         up to and including the tree's root."""
 
+    def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
+        """[T, H]: when this session already ran every node of `tree` through the layers below an
+        early exit, in the node's own tree slot (drafters.SelfDraft), the states after them; the
+        verify step then resumes from there. None (the default): the verify step runs every layer."""
+        return None
+
 
 class Drafter(ABC):
     """A drafting method's parameters (a frozen dataclass); `start` opens a session for one prompt.
@@ -119,6 +125,10 @@ class Drafting:
     def draft(self, tokens: Sequence[int], max_nodes: int, max_depth: int) -> DraftTree:
         sources = [s.candidates(tokens) for s in self.sessions]
         return build_tree(tokens[-1], sources, max_nodes, max_depth)
+
+    def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
+        """The exit states of the tree's nodes, if a session computed them all (DraftSession.precomputed)."""
+        return next((states for s in self.sessions if (states := s.precomputed(tree)) is not None), None)
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         on_path = set(path)

@@ -6,6 +6,7 @@ from specpass.drafters import default_drafter
 from specpass.drafters.base import Combined, Drafter
 from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
+from specpass.drafters.self_draft import SelfDraft
 from specpass.drafters.token_recycling import TokenRecycling
 from specpass.errors import InvalidParameterError
 
@@ -16,6 +17,7 @@ DRAFTERS = {
     "heads": Heads,  # draft heads, dynamic tree (needs DraftHeads in the pipeline)
     "heads-static": lambda: Heads(tree="static"),
     "heads-combined": lambda: Combined(Heads(), PromptLookup(), TokenRecycling()),
+    "self-draft": SelfDraft,  # the model's first layers (needs EarlyExit in the pipeline)
 }
 DRAFTER_NAMES = tuple(DRAFTERS)
 

@@ -1,0 +1,121 @@
+"""Early exit: the step's own first k layers as a draft model, sharing its KV cache (self-speculation).
+
+Papers: LayerSkip, Draft & Verify, Kangaroo, SWIFT (and DEL, SpecEE for the adaptive side); see
+../shared/seeds.
+
+Rewrite. The step gains two side graphs cut from the verify graph itself (ir.split), both sharing its
+modules and its KV-cache buffers:
+
+* the draft graph (kind "early-exit", called as a step): the embedding and layers [0, k), then the
+  step's final norm and LM head on the residual stream after layer k. For one token in its tree slot
+  it returns the exit's next-token logits and that residual stream (`exit_hidden`), and it writes
+  the token's K/V of layers [0, k) into the step's cache, in the slot the verify step will use;
+* the resume graph: layers [k, L), final norm and LM head from `exit_hidden`. The decode loop verifies
+  a chain the draft ran with it (`drafters.SelfDraft`), so layers below the exit run once per token,
+  never again in the verify step; the K/V they wrote are the verify step's own.
+
+Invariants. The verify graph is untouched (its outputs are bit for bit what they were). Running the
+draft graph and then the resume graph on its `exit_hidden` gives exactly the verify graph's outputs
+and cache writes (both are its own nodes, cut at the layer boundary: tested for every family). The
+draft graph holds no node of a layer >= k and the resume graph none of a layer < k (`verify`). It
+applies after TreeAttention (the graphs are cut from the tree-verifying step; a later pass that
+changed the verify graph would leave them stale, so none may follow: `verify` checks the graphs'
+inputs still match the step's). It does not apply when k is not in [1, L) (no layer to draft with,
+or none to verify with), and a step has one draft graph, so applying it twice is refused.
+
+The exit head is the model's own (final norm + LM head): training-free and exact to build, but on
+small models an early layer's plain exit rarely agrees with the full model (docs/experiments.md);
+a trained exit adapter is the planned head that pays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from specpass.drafters.self_draft import EARLY_EXIT_KIND  # the draft-graph kind drafters.SelfDraft drives
+from specpass.errors import GraphVerificationError, InvalidParameterError
+from specpass.ir import arch_of, info
+from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, resume_graph
+from specpass.ir.split import EXIT_HIDDEN, exit_graph
+from specpass.ir.split import resume_graph as cut_resume_graph
+from specpass.passes.draft import DraftGraphPass
+from specpass.rewrites.tree_attention import TREE_ATTENTION
+
+EARLY_EXIT = "early_exit"
+TOKENS = "T"  # the step's token dimension in the spec
+
+
+@dataclass(frozen=True)
+class EarlyExitConfig:
+    """The draft graph's config: where it exits, of how many layers, over how many cache slots."""
+
+    layer: int  # the draft runs layers [0, layer)
+    num_layers: int
+    cache_size: int
+
+
+@dataclass(frozen=True)
+class EarlyExit(DraftGraphPass):
+    """layer: the draft runs the step's layers [0, layer) and exits through its final norm + LM head."""
+
+    layer: int = 8
+
+    requires = frozenset({TREE_ATTENTION})
+    ensures = frozenset({EARLY_EXIT})
+
+    def __post_init__(self):
+        if not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 1:
+            raise InvalidParameterError(f"EarlyExit.layer must be a positive int, got {self.layer!r}")
+
+    def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
+        layers = arch_of(gm).num_layers
+        if self.layer >= layers:
+            return f"an exit after layer {self.layer} leaves none of the model's {layers} layers to verify with"
+        return None
+
+    def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
+        arch = arch_of(gm)
+        draft = exit_graph(gm, self.layer, arch.num_layers)
+        inputs = tuple(n.target for n in draft.graph.nodes if n.op == "placeholder")
+        spec = DraftGraphSpec(
+            kind=EARLY_EXIT_KIND,
+            source=self.name,
+            inputs=tuple(DraftTensor(name, (), "step") for name in inputs),  # the step's own inputs
+            outputs=(DraftTensor("logits", (1, TOKENS, arch.vocab_size), "model"),
+                     DraftTensor(EXIT_HIDDEN, (1, TOKENS, arch.hidden_size), "model")),  # fmt: skip
+            config=EarlyExitConfig(self.layer, arch.num_layers, gm.k_cache.shape[3]),
+            shares_cache=True,
+        )
+        return draft, spec, f"layers 0-{self.layer - 1} + the model's final norm and LM head, sharing the KV cache"
+
+    def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return cut_resume_graph(gm, self.layer)
+
+    @classmethod
+    def config_from_dict(cls, data: dict) -> EarlyExitConfig:
+        return EarlyExitConfig(**data)
+
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """The draft graph runs only layers < k, the resume graph only layers >= k, and both still take
+        the verify step's inputs (the resume graph `exit_hidden` in place of `input_ids`)."""
+        super().verify(gm)
+        draft, resume = draft_graph(gm), resume_graph(gm)
+        if resume is None:
+            _fail("the step lost its resume graph")
+        if any(info(n).layer is not None and info(n).layer >= self.layer for n in draft.graph.nodes):
+            _fail(f"the draft graph runs a layer >= {self.layer}")
+        if any(info(n).layer is not None and info(n).layer < self.layer for n in resume.graph.nodes):
+            _fail(f"the resume graph runs a layer < {self.layer}")
+        step_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        if [n.target for n in draft.graph.nodes if n.op == "placeholder"] != step_inputs:
+            _fail("the draft graph's inputs are no longer the verify step's (a pass after EarlyExit changed it)")
+        resumed = [EXIT_HIDDEN if name == "input_ids" else name for name in step_inputs]
+        if [n.target for n in resume.graph.nodes if n.op == "placeholder"] != resumed:
+            _fail("the resume graph's inputs are no longer the verify step's (a pass after EarlyExit changed it)")
+
+
+def _fail(message: str) -> None:
+    raise GraphVerificationError(f"EarlyExit: {message}")

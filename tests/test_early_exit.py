@@ -1,0 +1,184 @@
+"""EarlyExit (rewrites.early_exit) and SelfDraft (drafters.self_draft): the graphs it cuts, the KV and
+hidden states the draft shares with the verify step, losslessness, and where it must not apply."""
+
+import pytest
+import torch
+from conftest import TINY_ARCHS, token_inside_an_accepted_draft, tiny_model
+
+import specpass
+from specpass.backends.onnx_export import export
+from specpass.drafters import SelfDraft
+from specpass.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
+from specpass.errors import PassPipelineError
+from specpass.ir import SlotLayout, capture, draft_spec, verify
+from specpass.ir.draft import RESUME_MODULE, draft_graph, resume_graph
+from specpass.ir.split import EXIT_HIDDEN
+from specpass.rewrites import DraftHeads, EarlyExit, TreeAttention
+
+EXIT = specpass.Pipeline(TreeAttention(16), EarlyExit(1))  # tiny models have 2 layers: draft with the first
+
+
+def _inputs(graph, available: dict) -> dict:
+    return {n.target: available[n.target] for n in graph.graph.nodes if n.op == "placeholder"}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_draft_then_resume_equals_the_verify_step_and_the_draft_equals_the_first_layers(arch):
+    model = tiny_model(arch)
+    gm, _ = EXIT.run(capture(model, cache_size=64))
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    inputs = SlotLayout.chain(0, 20).step_inputs(ids)
+    logits, hidden = gm(**inputs)[:2]
+    k_cache, v_cache = gm.k_cache.clone(), gm.v_cache.clone()
+    gm.k_cache.zero_(), gm.v_cache.zero_()
+    exit_logits, exit_hidden = draft_graph(gm)(**_inputs(draft_graph(gm), inputs))  # [1, T, V], [1, T, H]
+    assert gm.k_cache[1].abs().sum() == 0 and torch.equal(gm.k_cache[0], k_cache[0])  # layer 0's K/V, in place
+    resumed = resume_graph(gm)(**_inputs(resume_graph(gm), inputs | {EXIT_HIDDEN: exit_hidden}))
+    assert torch.equal(resumed[0], logits) and torch.equal(resumed[1], hidden)  # bit for bit: the step's own nodes
+    assert torch.equal(gm.k_cache, k_cache) and torch.equal(gm.v_cache, v_cache)
+    by_hand = model(ids, output_hidden_states=True).hidden_states[1]  # after the first layer, by HF
+    torch.testing.assert_close(exit_hidden, by_hand, rtol=0, atol=1e-5)
+    if arch == "llama":  # a plain exit: the model's final norm and LM head on that state
+        torch.testing.assert_close(exit_logits, model.lm_head(model.model.norm(by_hand)), rtol=0, atol=1e-5)
+
+
+def test_the_pass_leaves_the_verify_graph_alone_and_reports_its_draft():
+    model = tiny_model()
+    before, _ = specpass.Pipeline(TreeAttention(16)).run(capture(model, cache_size=64))
+    after, report = EXIT.run(capture(model, cache_size=64))
+    assert after.graph.python_code("self").src == before.graph.python_code("self").src
+    spec = draft_spec(after)
+    assert spec.kind == "early-exit" and spec.shares_cache and spec.config.layer == 1 and spec.config.cache_size == 64
+    assert "layers 0-0" in str(report) and "sharing the KV cache" in str(report)
+
+
+def test_the_pass_refuses_where_it_must_not_apply():
+    model = tiny_model()
+    tree, _ = specpass.Pipeline(TreeAttention(16)).run(capture(model, cache_size=64))
+    source = tree.graph.python_code("self").src
+    with pytest.raises(PassMismatchError, match="leaves none of the model's 2 layers"):
+        specpass.Pipeline(TreeAttention(16), EarlyExit(2)).run(capture(model, cache_size=64))
+    with_exit, _ = EXIT.run(capture(model, cache_size=64))  # twice: what the pass manager asks before rewriting
+    assert "already has a draft graph (EarlyExit applied twice" in EarlyExit(1).check(with_exit)
+    with pytest.raises(PassPipelineError, match="requires"):
+        specpass.Pipeline(EarlyExit(1)).run(capture(model, cache_size=64))  # the graphs are cut from the tree step
+    with pytest.raises(InvalidParameterError, match="positive int"):
+        EarlyExit(0)
+    assert tree.graph.python_code("self").src == source and draft_graph(tree) is None
+
+
+def test_verify_catches_a_broken_early_exit():
+    gm, _ = EXIT.run(capture(tiny_model(), cache_size=64))
+    resume = resume_graph(gm)
+    delattr(gm, RESUME_MODULE)
+    with pytest.raises(GraphVerificationError, match="resume graph"):
+        verify(gm)
+    gm.add_submodule(RESUME_MODULE, resume)
+    verify(gm)
+    stale = EarlyExit(1)
+    object.__setattr__(stale, "layer", 2)  # the graphs were cut at layer 1: the resume graph runs layer 1
+    with pytest.raises(GraphVerificationError, match="resume graph runs a layer < 2"):
+        stale.verify(gm)
+
+
+def _peaked(arch: str, seed: int = 2):
+    model = tiny_model(arch, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a peaked next-token law, so drafts get accepted
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
+def test_self_draft_greedy_equals_hf_greedy(arch):
+    model = _peaked(arch)
+    options = {"pipeline": EXIT, "drafter": SelfDraft(4), "cache_size": 128}
+    taus = []
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)
+        out = specpass.generate(model, ids, max_new_tokens=40, eos_token_id=[], options=options)
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                   eos_token_id=None)  # fmt: skip
+        assert torch.equal(out.sequences, reference)
+        taus.append(out.stats.tau)
+    assert max(taus) > 1.5
+
+
+class _Rows:
+    """Counts the token rows a module sees (a forward hook)."""
+
+    def __init__(self, module):
+        self.rows = 0
+        module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        self.rows += args[0].shape[-2]
+
+
+def test_layers_below_the_exit_run_once_per_drafted_token_and_never_in_verification():
+    model = _peaked("llama")
+    program = specpass.compile_program(model, specpass.CompileOptions(
+        pipeline=EXIT, drafter=SelfDraft(4), cache_size=128, lowering="eager", budget=5))  # fmt: skip
+    below, above = _Rows(model.model.layers[0].self_attn.q_proj), _Rows(model.model.layers[1].self_attn.q_proj)
+    calls = {"draft": 0, "resumed": 0, "full": 0}
+    draft_run, resume, forward = program.draft.run, program.forward_from_exit, program.forward
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return call
+
+    object.__setattr__(program.draft, "run", counted("draft", draft_run))
+    program.forward_from_exit, program.forward = counted("resumed", resume), counted("full", forward)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0)).repeat(1, 2)
+    out = specpass.generate(program, ids, max_new_tokens=40, eos_token_id=[])
+    steps = len(out.stats.steps)
+    assert calls["full"] == 1 and calls["resumed"] == steps  # the prefill, then every step resumed
+    assert below.rows == 18 + calls["draft"]  # the prompt once, then one row per draft call: nothing twice
+    assert above.rows == 18 + round(out.stats.mean_tree_size * steps)  # the upper layer verifies every node
+    assert calls["draft"] == 5 * steps  # chain of 4 + the last drafted token's lower layers
+    assert out.stats.tau > 1.5
+
+
+def test_self_draft_on_the_default_model_equals_hf_greedy_with_eos_inside_a_draft_and_the_length_limit(
+    default_model, cases
+):
+    model, _ = default_model
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16), EarlyExit(24)), "drafter": SelfDraft(4)}
+    for ids, reference in cases:
+        out = specpass.generate(model, ids, max_new_tokens=128, options=options)
+        assert torch.equal(out.sequences, reference)
+    ids, reference = cases[0]
+    continuation = reference[0, ids.shape[1]:].tolist()
+    out = specpass.generate(model, ids, max_new_tokens=128, options=options, eos_token_id=[])
+    assert out.stats.tau > 1.1  # a layer-24 exit agrees with the model often enough to take multi-token steps
+    eos, index = token_inside_an_accepted_draft(continuation, out.stats.steps)
+    stopped = specpass.generate(model, ids, max_new_tokens=128, options=options, eos_token_id=[eos])
+    assert stopped.sequences[0, ids.shape[1]:].tolist() == continuation[: index + 1]
+    assert stopped.stats.finish_reason == "eos"
+    short = specpass.generate(model, ids, max_new_tokens=7, options=options)
+    assert short.sequences[0, ids.shape[1]:].tolist() == continuation[:7] and short.stats.finish_reason == "length"
+
+
+def test_self_draft_sampling_equals_one_node_sampling_with_the_same_seed():
+    model = _peaked("qwen3")
+    one_node = {"budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1)), "cache_size": 128}
+    options = {"pipeline": EXIT, "drafter": SelfDraft(4), "cache_size": 128}
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)
+        sampling = dict(do_sample=True, temperature=0.7, top_p=0.9, seed=seed)
+        out = specpass.generate(model, ids, 40, eos_token_id=[], options=options, **sampling)
+        plain = specpass.generate(model, ids, 40, eos_token_id=[], options=one_node, **sampling)
+        assert torch.equal(out.sequences, plain.sequences)
+
+
+def test_self_draft_needs_the_pass_and_the_export_refuses_the_shared_cache(tmp_path):
+    model = tiny_model()
+    with pytest.raises(InvalidParameterError, match="EarlyExit"):
+        specpass.generate(model, torch.tensor([[1, 2, 3]]), 4, options={"drafter": SelfDraft(), "cache_size": 64})
+    with pytest.raises(ExportError, match="cannot express pass EarlyExit"):
+        export(model, EXIT, str(tmp_path / "out"), progress=False)
+    with pytest.raises(PassMismatchError, match="already has a draft graph"):
+        specpass.Pipeline(TreeAttention(16), EarlyExit(1), DraftHeads()).run(capture(model, cache_size=64))
