@@ -47,6 +47,7 @@ class SelfDraft(Drafter):
 class SelfDraftSession(DraftSession):
     def __init__(self, depth: int, draft: DraftModel, device: torch.device):
         self.depth, self.draft, self.device = depth, draft, device
+        self.one_node = torch.ones(1, 1, dtype=torch.bool, device=device)  # [1, 1]: a token sees itself
         self.cache_size = draft.config.cache_size
         self.stats = AcceptanceStats({}, default=PRIOR)  # keyed by depth in the chain
         self.chain: tuple[int, ...] = ()  # the last step's chain, root first
@@ -58,7 +59,7 @@ class SelfDraftSession(DraftSession):
         depth = min(self.depth, self.cache_size - committed - 1)  # the chain's slots stay in the cache
         token, chain, states = tokens[-1], [tokens[-1]], []
         for i in range(depth + 1):
-            layout = SlotLayout(committed + i, torch.ones(1, 1, dtype=torch.bool, device=self.device))
+            layout = SlotLayout(committed + i, self.one_node)  # after the chain's i earlier tokens
             ids = torch.tensor([[token]], device=layout.device)
             logits, exit_hidden = self.draft(**layout.step_inputs(ids))  # [1, 1, V], [1, 1, H]
             states.append(exit_hidden[0, 0])
