@@ -72,8 +72,8 @@ def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 2
     """
     seconds = []
     for size in sizes:
-        layout = SlotLayout.chain(max(kv_len - size, 0), size, device)
-        tokens = torch.zeros(size, dtype=torch.long, device=device)
+        layout = SlotLayout.chain(max(kv_len - size, 0), size)  # on the host, as the decode loop passes it
+        tokens = torch.zeros(size, dtype=torch.long)
         for _ in range(2):  # warm-up (and CUDA-graph capture)
             forward(tokens, layout)
         samples: list[float] = []

@@ -123,8 +123,8 @@ def generate(
     n_prompt = len(tokens)
 
     top_k = min(program.drafter.target_topk, program.vocab_size)  # the target's top candidates the drafters read
-    prompt = SlotLayout.chain(0, n_prompt, device)
-    logits, hidden = program.forward(input_ids[0].to(device), prompt)  # [P, V], [P, H]
+    prompt = SlotLayout.chain(0, n_prompt)  # layouts and tokens go to the program on the host (ir.layout)
+    logits, hidden = program.forward(input_ids[0].cpu(), prompt)  # [P, V], [P, H]
     program.commit(prompt, range(n_prompt))  # the prompt is a chain: every node is kept
     topk = logits.topk(top_k, dim=-1).indices.cpu()  # [P, k]
     choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
@@ -151,12 +151,12 @@ def generate(
             tree = _as_chain(tree)
         size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
         tree = tree.prefix(size)
-        layout = SlotLayout(cached, tree.ancestor_mask().to(device))
+        layout = SlotLayout(cached, tree.ancestor_mask())
         exit_states = drafting.precomputed(tree) if program.resumes_from_exit else None  # [T, H] or None
         if exit_states is not None:  # the early-exit draft ran these nodes' lower layers in their slots
             logits, hidden = program.forward_from_exit(exit_states, layout)  # [T, V], [T, H]
         else:
-            logits, hidden = program.forward(torch.tensor(tree.tokens, device=device), layout)  # [T, V], [T, H]
+            logits, hidden = program.forward(torch.tensor(tree.tokens), layout)  # [T, V], [T, H]
         topk = logits.topk(top_k, dim=-1).indices.cpu()  # [T, k]
         choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
         verified = TargetForward(topk, hidden, choices)

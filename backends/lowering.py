@@ -1,5 +1,5 @@
 """Lowering of a rewritten decode step to something callable: eager FX, oneDNN (CPU), both chosen per tree
-size (CPU), or CUDA graphs."""
+size (CPU), TorchInductor, or CUDA graphs (of the FX step, or of the inductor-compiled step)."""
 
 from __future__ import annotations
 
@@ -27,19 +27,26 @@ class EagerStep:
         self.gm = gm
         self.kind = kind
         self.input_names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        self.device = next(iter([*gm.parameters(), *gm.buffers()]), torch.empty(0)).device
 
     @torch.no_grad()
     def run_graph(self, inputs: dict):
         return self.gm(**{name: inputs[name] for name in self.input_names})
 
     def __call__(self, input_ids: torch.Tensor, layout: SlotLayout):
-        return self.run_graph(layout.step_inputs(input_ids))
+        """input_ids [B, T] and layout on the host or on the step's device."""
+        return self.run_graph(layout.to(self.device).step_inputs(input_ids.to(self.device)))
 
 
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The lowerings to build, the last one the default. `auto` -> cudagraphs on CUDA; on a CPU that
     has oneDNN (float32) both eager and onednn, each call running the one measured faster at its tree
-    size (backends.per_size); else eager."""
+    size (backends.per_size); else eager.
+
+    `inductor` is opt-in on CUDA: its replays beat the FX step's at every tree size measured on an H100
+    (SmolLM2-135M bf16 1.72 against 2.95 ms a one-token replay, float32 2.10 against 3.30, an 8B-shaped
+    model 8.12 against 8.62), but its compile takes one to two minutes per program and its losslessness
+    on the real model has not yet run on a GPU (docs/experiments.md, "GPU step")."""
     if lowering != "auto":
         return (lowering,)
     if device.type == "cuda":
@@ -78,6 +85,14 @@ def _lower_one(gm: torch.fx.GraphModule, lowering: str, device: torch.device, ma
                 f"lowering 'onednn' needs float32 on a CPU with oneDNN; the model is {gm.k_cache.dtype} on {device}"
             )
         return EagerStep(onednn.pack_linears(gm, packed), kind="onednn")
+    if lowering == "inductor":
+        from specpass.backends.inductor import InductorStep
+
+        if device.type != "cuda":
+            return InductorStep(gm)
+        from specpass.backends.cudagraphs import CudaGraphStep
+
+        return CudaGraphStep(InductorStep(gm), max_nodes=max_nodes, cache_size=cache_size)
     if lowering == "cudagraphs":
         if device.type != "cuda":
             raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {device}")

@@ -105,6 +105,7 @@ class OrtProgram(DecodeProgram):
         }  # fmt: skip
 
     def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, layout = tokens.to(self.device), layout.to(self.device)
         self._reserve(layout.committed + 1)
         if self.cuda_graphs:
             outputs = self._run_graph(tokens[None], layout)

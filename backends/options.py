@@ -10,7 +10,7 @@ from specpass.errors import InvalidParameterError
 from specpass.passes import Pipeline
 from specpass.rewrites import TreeAttention
 
-LOWERINGS = ("auto", "eager", "onednn", "cudagraphs")
+LOWERINGS = ("auto", "eager", "onednn", "inductor", "cudagraphs")
 
 
 def check_budget(budget) -> None:
@@ -25,7 +25,8 @@ def default_pipeline() -> Pipeline:
 @dataclass(frozen=True)
 class CompileOptions:
     """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
-    lowering: eager, onednn (float32 on CPU), cudagraphs (CUDA) or auto (cudagraphs on CUDA; on a CPU
+    lowering: eager, onednn (float32 on CPU), inductor (TorchInductor; replayed in CUDA graphs on
+    CUDA), cudagraphs (the FX step in CUDA graphs) or auto (cudagraphs on CUDA; on a CPU
     with oneDNN both eager and onednn, each tree size run on the one its measured cost curve says is
     faster; else eager);
     cache_size: static KV-cache slots (prompt + generated tokens + one tree);

@@ -74,7 +74,8 @@ class DecodeProgram(ABC):
     @abstractmethod
     def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Run tokens [T] int64 laid out by `layout` (its ancestor mask is a chain's when the program
-        does not verify trees); returns logits [T, V], hidden [T, H]."""
+        does not verify trees); returns logits [T, V], hidden [T, H] on the program's device. Tokens
+        and layout may be on the host (what the decode loop passes) or on that device."""
 
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify tokens whose layers below the early exit already ran in their slots (their states after
@@ -130,7 +131,7 @@ class SpeculativeProgram(DecodeProgram):
         return logits[0], hidden[0]
 
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = layout.step_inputs(exit_hidden[None]) | {EXIT_HIDDEN: exit_hidden[None]}  # [1, T, H]
+        inputs = layout.to(self.device).step_inputs(exit_hidden[None]) | {EXIT_HIDDEN: exit_hidden[None]}  # [1, T, H]
         logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [1, T, V], [1, T, H]
         return logits[0], hidden[0]
 

@@ -12,7 +12,8 @@ After verification the accepted path (node indices, root first) moves into conse
 committed, committed + 1, ... (`moves`), and the next step's committed length is committed + len(path).
 
 The layout is built once per step on the host (`SlotLayout`), so no backend ever reads a length back
-from the device. Inside a graph it is encoded two ways, both defined here:
+from the device; the decode loop hands it to the program on the host, and each lowering moves what it
+needs to its device (a CUDA-graph replay pads on the host and copies the padded inputs once). Inside a graph it is encoded two ways, both defined here:
 
 * the static-cache step (rewrites.TreeAttention) takes `cache_slots` = the write slots and
   `tree_mask` = the ancestor mask; the committed length is `cache_slots[0]` (`slot_visibility`);
@@ -60,6 +61,10 @@ class SlotLayout:
     def device(self) -> torch.device:
         return self.ancestors.device
 
+    def to(self, device: torch.device | str) -> SlotLayout:
+        """The same layout with its mask on `device` (itself when already there)."""
+        return self if self.ancestors.device == torch.device(device) else SlotLayout(self.committed, self.ancestors.to(device))
+
     def write_slots(self) -> torch.Tensor:
         """[T] int64: the slot each token's K/V is written to."""
         return torch.arange(self.committed, self.kv_len, device=self.device)
@@ -97,7 +102,8 @@ def slot_visibility(tree_mask: torch.Tensor, cache_slots: torch.Tensor, kv_len: 
     seen by every token; the step's own slots are seen through the ancestor mask."""
     key_slots = torch.arange(kv_len, device=cache_slots.device)  # [S]
     prefix = key_slots < cache_slots[0]  # [S]
-    visible = prefix[None, None, :].expand(tree_mask.shape[0], tree_mask.shape[1], kv_len)  # [B, T, S]
+    # materialised before index_copy: inductor (torch 2.13, CPU) mis-compiles index_copy into an expanded base
+    visible = prefix[None, None, :].expand(tree_mask.shape[0], tree_mask.shape[1], kv_len).contiguous()  # [B, T, S]
     visible = visible.index_copy(2, cache_slots, tree_mask)  # the step's columns come from the ancestor mask
     return visible.unsqueeze(1)  # [B, 1, T, S]
 

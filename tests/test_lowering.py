@@ -111,12 +111,37 @@ def test_program_measures_both_cpu_lowerings_and_keeps_the_envelope():
     assert torch.equal(out, reference)
 
 
+def test_inductor_step_equals_eager_step():
+    """The inductor-compiled step (one compile with symbolic sizes) computes the FX step's function:
+    prefill, then a tree over the committed prefix, and the K/V it writes into the shared cache."""
+    _, gm = _tree_step("llama")
+    expected = _run_prefix_and_tree(lower(gm, "eager", torch.device("cpu"), 16, 128)[0])
+    expected_cache = gm.k_cache.clone()
+    gm.k_cache.zero_()
+    gm.v_cache.zero_()
+    step, _, _ = lower(gm, "inductor", torch.device("cpu"), 16, 128)
+    assert step.kind == "inductor"
+    torch.testing.assert_close(_run_prefix_and_tree(step), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gm.k_cache, expected_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_speculative_greedy_with_the_inductor_lowering_equals_hf_greedy():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    reference = model.generate(ids, max_new_tokens=40, do_sample=False)
+    fast = torch.compile(model, backend="specpass", options={"lowering": "inductor"})
+    out = specpass.generate(fast, ids, max_new_tokens=40)
+    assert torch.equal(out.sequences, reference)
+    assert specpass.compile_program(fast).step.run.kind == "inductor"
+
+
 def test_auto_lowering_and_its_refusals():
     cpu = torch.device("cpu")
     expected = ("eager", "onednn") if onednn.available(cpu, torch.float32) else ("eager",)
     assert resolve_lowering("auto", cpu, torch.float32) == expected
     assert resolve_lowering("auto", cpu, torch.bfloat16) == ("eager",)
     assert resolve_lowering("onednn", cpu, torch.float32) == ("onednn",)
+    assert resolve_lowering("auto", torch.device("cuda"), torch.bfloat16) == ("cudagraphs",)
     model = tiny_model().to(torch.bfloat16)
     gm = capture(model, cache_size=64)
     with pytest.raises(specpass.InvalidParameterError, match="'onednn' needs float32"):

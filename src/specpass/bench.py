@@ -297,12 +297,13 @@ def _cost_curves(model, device: torch.device, skipped: dict) -> tuple[dict, dict
     """The cost curve of each lowering, and which lowering `auto` runs at each tree size.
 
     On a CPU `auto` measures eager and oneDNN and runs each size on the faster (backends.per_size):
-    its curve is their lower envelope. On a GPU: eager and CUDA graphs."""
+    its curve is their lower envelope. On a GPU: eager, the FX step in CUDA graphs, and the inductor step
+    in CUDA graphs (what `auto` runs there)."""
     import specpass
     from specpass.backends.per_size import FastestPerSize
 
     measured, kernels = {}, {}
-    for lowering in ("eager", "cudagraphs") if device.type == "cuda" else ("auto",):
+    for lowering in ("eager", "cudagraphs", "inductor") if device.type == "cuda" else ("auto",):
         try:
             program = specpass.compile_program(torch.compile(model, backend="specpass", options={"lowering": lowering}))
             curve = program.cost_curve
