@@ -150,6 +150,7 @@ def generate(
         if not program.verifies_trees:
             tree = _as_chain(tree)
         size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
+        size = program.agreed_size(size)
         tree = tree.prefix(size)
         layout = SlotLayout(cached, tree.ancestor_mask())
         exit_states = drafting.precomputed(tree) if program.resumes_from_exit else None  # [T, H] or None

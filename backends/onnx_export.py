@@ -36,7 +36,7 @@ from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, capture, draft_graph, draft_spec
 from specpass.passes import Pipeline
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
-EXPORTABLE_PASSES = ("TreeAttention", "DraftHeads")
+EXPORTABLE_PASSES = ("TreeAttention", "DraftHeads", "LadderResidual")  # the ladder rewires streams, not KV
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 MEANING = {

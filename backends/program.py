@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specpass.backends import cost
+from specpass.backends import cost, distributed
 from specpass.backends.compile import specpass_backend
 from specpass.backends.kv import compact
 from specpass.backends.options import CompileOptions, check_budget
@@ -22,6 +22,7 @@ from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import Drafter
 from specpass.ir import DraftGraphSpec, SlotLayout, capture, draft_spec
 from specpass.ir.split import EXIT_HIDDEN
+from specpass.rewrites.tensor_parallel import TensorParallel
 
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
@@ -70,6 +71,11 @@ class DecodeProgram(ABC):
 
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
     resumes_from_exit = False  # True: `forward_from_exit` verifies a chain the early-exit draft ran
+
+    def agreed_size(self, size: int) -> int:
+        """The tree size every process of the program verifies this step (a timing-based choice is
+        one process's in a tensor-parallel program; see backends.distributed)."""
+        return size
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +131,10 @@ class SpeculativeProgram(DecodeProgram):
         if self.step.draft is not None:
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
         self.resumes_from_exit = self.step.resume is not None
+        self.tensor_parallel = options.pipeline.has(TensorParallel)
+
+    def agreed_size(self, size: int) -> int:
+        return distributed.rank0_int(size) if self.tensor_parallel else size
 
     def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         logits, hidden = self.step(tokens[None], layout)[:2]  # [1, T, V], [1, T, H]
@@ -141,6 +151,9 @@ class SpeculativeProgram(DecodeProgram):
         sizes past the largest tree, so the prefill (T = prompt length) runs on the kernel that wins at
         large T."""
         run = self.step.run
+        if self.tensor_parallel:  # a fixed number of forwards on every rank, and rank 0's timings
+            curve = cost.measure(self.forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
+            return cost.CostCurve(curve.sizes, distributed.rank0_floats(curve.seconds))
         if not isinstance(run, FastestPerSize):
             return super().measure_cost(sizes, kv_len)
         measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= kv_len})
@@ -151,6 +164,8 @@ class SpeculativeProgram(DecodeProgram):
         return run.choose(curves).subset(sizes)
 
     def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
+        if self.tensor_parallel:
+            distributed.check_same_path(path)
         src, dst = layout.moves(path)
         if src:
             src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)

@@ -31,6 +31,7 @@ class Pass(ABC):
 
     requires: ClassVar[frozenset[str]] = frozenset({CAPTURED})
     ensures: ClassVar[frozenset[str]] = frozenset()
+    changes_output: ClassVar[str | None] = None  # a lossy rewrite says here how the model's output changes
 
     @property
     def name(self) -> str:

@@ -30,6 +30,14 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"Pipeline({', '.join(map(repr, self.passes))})"
 
+    def __str__(self) -> str:
+        """The pipeline, and a line per pass that changes the model's output (a lossy rewrite)."""
+        return "\n".join([repr(self), *(f"  output changes: {note}" for note in self.changes_output())])
+
+    def changes_output(self) -> tuple[str, ...]:
+        """What each lossy pass changes (empty: the pipeline keeps the model's output)."""
+        return tuple(p.changes_output for p in self.passes if p.changes_output is not None)
+
     def __iter__(self):
         return iter(self.passes)
 

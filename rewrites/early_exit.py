@@ -42,6 +42,7 @@ from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, resume_g
 from specpass.ir.split import EXIT_HIDDEN, exit_graph
 from specpass.ir.split import resume_graph as cut_resume_graph
 from specpass.passes.draft import DraftGraphPass
+from specpass.rewrites.ladder_residual import laddered_layers
 from specpass.rewrites.tree_attention import TREE_ATTENTION
 
 EARLY_EXIT = "early_exit"
@@ -74,6 +75,8 @@ class EarlyExit(DraftGraphPass):
         layers = arch_of(gm).num_layers
         if self.layer >= layers:
             return f"an exit after layer {self.layer} leaves none of the model's {layers} layers to verify with"
+        if laddered_layers(gm.graph, layers):
+            return "the step is laddered (LadderResidual): a ladder crosses the layer boundary the exit cuts at"
         return None
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:

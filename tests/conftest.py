@@ -12,6 +12,18 @@ def peaked_tiny_model():
     return model
 
 
+def char_tokenizer(vocab_size: int):
+    """A character-level fast tokenizer of `vocab_size` tokens (no download), saved beside a tiny model."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + vocab_size - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
 def token_inside_an_accepted_draft(continuation: list[int], steps: tuple[int, ...]) -> tuple[int, int]:
     """(token, index in continuation) of a token that first appears in the middle of a multi-token
     step: declared EOS, it ends a generation inside an accepted draft."""

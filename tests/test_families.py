@@ -5,7 +5,7 @@ ONNX round trips: tests/test_onnx.py.)"""
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, tiny_model
+from conftest import TINY_ARCHS, char_tokenizer, tiny_model
 
 import specpass
 from specpass.drafters import Combined, DraftTree, PromptLookup, TokenRecycling
@@ -58,18 +58,6 @@ def test_speculative_greedy_equals_hf_greedy_with_every_training_free_drafter(ar
         assert max(taus) > 1.0  # drafts were accepted
 
 
-def _char_tokenizer(vocab_size: int):
-    """A character-level fast tokenizer of `vocab_size` tokens (no download), saved beside a tiny model."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 32 + vocab_size - 3)]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_cli_generates_and_exports_a_saved_model_of_the_family(tmp_path, capsys, arch):
     from specpass.cli import main
@@ -78,7 +66,7 @@ def test_cli_generates_and_exports_a_saved_model_of_the_family(tmp_path, capsys,
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # peaked: drafts get accepted
     model.save_pretrained(tmp_path / "model")
-    _char_tokenizer(model.config.vocab_size).save_pretrained(tmp_path / "model")
+    char_tokenizer(model.config.vocab_size).save_pretrained(tmp_path / "model")
     prompt = ["--prompt", "the cat sat on the mat; the cat sat on the", "--raw", "--max-new-tokens", "24"]
     trees = ["--pipeline", specpass.Pipeline(TreeAttention(16)).to_json()]  # below the tiny sliding window (18)
     assert main(["generate", "--model", str(tmp_path / "model"), *prompt, *trees]) == 0  # 0: identical to HF greedy

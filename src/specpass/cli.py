@@ -58,9 +58,11 @@ def _pytorch_runs(args: argparse.Namespace):
     from specpass.errors import InvalidParameterError
     from specpass.models import load_model
     from specpass.passes import Pipeline
-    from specpass.rewrites import DraftHeads, TreeAttention
+    from specpass.rewrites import DraftHeads, TensorParallel, TreeAttention
 
     pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
+    if pipeline.has(TensorParallel):
+        _join_torchrun()
     model, tokenizer, _ = load_model(args.model)
     if tokenizer is None:
         raise InvalidParameterError(f"{args.model} holds no tokenizer files; generate needs them to encode --prompt")
@@ -70,19 +72,26 @@ def _pytorch_runs(args: argparse.Namespace):
     compiled = torch.compile(model, backend="specpass", options=options)
     specpass.compile_program(compiled)  # capture, rewrite, lower and measure the cost curve up front
     sampling = _sampling(args)
-    one_node = specpass.CompileOptions(budget=1, pipeline=Pipeline(TreeAttention(1)))
-    if sampling["do_sample"]:  # HF samples with other noise: the reference is specpass's one-node trees
+    lossy = [p for p in pipeline if p.changes_output is not None]
+    for p in lossy if _rank() == 0 else ():
+        print(f"note: the output differs from the original model's: {p.changes_output}")
+    one_node = specpass.CompileOptions(budget=1, pipeline=Pipeline(TreeAttention(1), *lossy))
+    # HF samples with other noise, and knows no lossy rewrite: then the reference is specpass's one-node trees
+    own_reference = sampling["do_sample"] or bool(lossy)
+    if own_reference:
         specpass.compile_program(model, one_node)  # built before timing
 
     def reference(ids, max_new_tokens):
-        if sampling["do_sample"]:
+        if own_reference:
             return specpass.generate(model, ids, max_new_tokens, options=one_node, **sampling).sequences
         return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
 
     def speculative(ids, max_new_tokens):
         return specpass.generate(compiled, ids, max_new_tokens=max_new_tokens, **sampling)
 
-    return tokenizer, reference, speculative
+    label = "plain sampling (one-node)" if sampling["do_sample"] else "plain greedy (HF)"
+    label = "plain greedy (same rewrites)" if lossy and not sampling["do_sample"] else label
+    return tokenizer, reference, speculative, label
 
 
 def _onnxrt_runs(args: argparse.Namespace):
@@ -111,13 +120,34 @@ def _onnxrt_runs(args: argparse.Namespace):
     def speculative(ids, max_new_tokens):
         return specpass.generate(program, ids, max_new_tokens=max_new_tokens, **sampling)
 
-    return tokenizer, reference, speculative
+    return tokenizer, reference, speculative, "plain sampling (ORT)" if args.do_sample else "plain greedy (ORT)"
 
 
 def _sampling(args: argparse.Namespace) -> dict:
     """specpass.generate's sampling arguments from the flags (checked by specpass.generate)."""
     names = ("temperature", "top_k", "top_p", "min_p", "seed")
     return {"do_sample": args.do_sample} | {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _join_torchrun() -> None:
+    """Join the process group torchrun set up (gloo: the CLI runs on the CPU), for TensorParallel."""
+    import torch.distributed as dist
+
+    from specpass.errors import InvalidParameterError
+
+    if "WORLD_SIZE" not in os.environ:
+        raise InvalidParameterError(
+            "TensorParallel runs one process per shard: launch with "
+            "`torchrun --nproc-per-node N --no-python specpass generate ...`"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -127,26 +157,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     Sampling(**_sampling(args))  # bad sampling flags are refused before any model loads
     torch.manual_seed(0)
-    tokenizer, plain, speculative = (_onnxrt_runs if args.backend == "onnxrt" else _pytorch_runs)(args)
+    tokenizer, plain, speculative, label = (_onnxrt_runs if args.backend == "onnxrt" else _pytorch_runs)(args)
     ids = _encode(tokenizer, args.prompt, args.raw)
     started = time.perf_counter()
     reference = plain(ids, args.max_new_tokens)
     plain_seconds = time.perf_counter() - started
     out = speculative(ids, args.max_new_tokens)
+    same = torch.equal(out.sequences, reference)
+    if _rank() != 0:  # tensor-parallel ranks hold the same result: rank 0 prints it
+        return 0 if same else 1
 
     print(tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
     print()
     plain_tokens = reference.shape[1] - ids.shape[1]
     plain_rate = plain_tokens / plain_seconds
-    if args.do_sample:
-        label = "plain sampling (one-node)"
-    else:
-        label = "plain greedy (HF)" if args.backend == "pytorch" else "plain greedy (ORT)"
-    print(f"{'':26}{'tokens':>8}{'tokens/s':>10}{'tau':>7}")
-    print(f"{label:26}{plain_tokens:>8}{plain_rate:>10.1f}{1.0:>7.2f}")
+    print(f"{'':30}{'tokens':>8}{'tokens/s':>10}{'tau':>7}")
+    print(f"{label:30}{plain_tokens:>8}{plain_rate:>10.1f}{1.0:>7.2f}")
     s = out.stats
-    print(f"{'specpass':26}{s.new_tokens:>8}{s.tokens_per_second:>10.1f}{s.tau:>7.2f}")
-    same = torch.equal(out.sequences, reference)
+    print(f"{'specpass':30}{s.new_tokens:>8}{s.tokens_per_second:>10.1f}{s.tau:>7.2f}")
     print(f"speedup {s.tokens_per_second / plain_rate:.2f}x, identical to {'plain sampling' if args.do_sample else 'greedy'}: {same}")
     print(f"stats: {s}")
     return 0 if same else 1

@@ -1,0 +1,238 @@
+"""Tensor parallelism: the decode step sharded over the torch.distributed process group (Megatron-style).
+
+Paper context: Megatron-LM's column/row split; Ladder Residual for the overlap (../shared/seeds).
+
+Rewrite, on rank r of a world of W processes (torch.distributed initialised, e.g. by `torchrun`):
+
+* q, k, v, gate and up projections are column-parallel: rank r keeps output rows
+  [r * n / W, (r + 1) * n / W), so it holds heads [r * H / W, ...) and KV heads [r * KV / W, ...) and
+  a slice of the MLP's intermediate width (the graph's views already use -1 for the head count);
+* o and down projections are row-parallel (rank r keeps the matching input columns; a bias is kept on
+  rank 0 only), and their outputs are summed over ranks: `all_reduce` + `wait_tensor`, traceable
+  functional collectives (torch.ops._c10d_functional), so the step stays an FX graph;
+* the LM head is sharded over the vocabulary, and the logits are gathered (`all_gather_into_tensor`
+  over the vocabulary dimension, moved to the front and back);
+* the KV cache buffers keep rank r's KV heads only: cache memory per rank falls by W.
+
+The embedding, the norms and everything else stay replicated. Every rank ends with the same logits
+and hidden states (the collectives give every rank the same bits), so a decode loop run on every rank
+takes the same accepted path (`backends.tp_decode` checks it).
+
+Overlap. A wait is placed right before the first node that needs the reduced value, except for the
+sub-layers of laddered layers (rewrites.ladder_residual): there the next sub-layer reads the stream
+from before this output, so the wait and the residual add it feeds move after the next sub-layer's
+all-reduce is issued, and communication overlaps that sub-layer's compute.
+
+Invariants. Outputs equal the unsharded step's up to float rounding of the sums (tested at 1e-5);
+two all-reduces per layer. It does not apply without an initialised process group, when a head count,
+KV-head count, intermediate width or vocabulary does not divide by W, to fused q/k/v or gate/up
+projections or to q/k norms over the whole projection (they would need a gather), to a step with a
+draft graph, or twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch import nn
+
+from specpass.errors import GraphVerificationError
+from specpass.ir import arch_of
+from specpass.ir.draft import draft_graph
+from specpass.ir.roles import META_KEY, NodeInfo, info
+from specpass.passes.base import Pass, PassResult
+from specpass.rewrites.ladder_residual import laddered_layers, residual_adds
+
+TENSOR_PARALLEL = "tensor_parallel"
+SHARDS = "tp"  # submodule holding the sharded linears
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+FUSED = ("qkv_proj", "gate_up_proj")
+_ops = torch.ops._c10d_functional
+
+
+def _process_group():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+
+
+def collective_nodes(graph: torch.fx.Graph, op) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is op]
+
+
+@dataclass(frozen=True)
+class TensorParallel(Pass):
+    """Shard the step over torch.distributed's default process group (see the module docstring).
+    List it last in a pipeline: it reads which layers are laddered to place the waits."""
+
+    ensures = frozenset({TENSOR_PARALLEL})
+
+    def check(self, gm: torch.fx.GraphModule) -> str | None:
+        group = _process_group()
+        if group is None:
+            return "torch.distributed is not initialised (launch with torchrun and call init_process_group)"
+        world = group[1]
+        if collective_nodes(gm.graph, _ops.all_reduce.default):
+            return "the step is already sharded"
+        if draft_graph(gm) is not None:
+            return "a step with a draft graph (draft heads, early exit) is not sharded: its side graph would stay whole"
+        arch = arch_of(gm)
+        sizes = {"attention heads": arch.num_heads, "KV heads": arch.num_kv_heads, "vocabulary": arch.vocab_size}
+        sizes |= {"MLP width": _module(gm, n).out_features for n in _linears(gm, ("gate_proj",))[:1]}
+        for what, size in sizes.items():
+            if size % world:
+                return f"{size} {what} do not split over {world} processes"
+        fused = [n.target for n in _linears(gm, FUSED)]
+        if fused:
+            return f"fused projections ({fused[0]}, ...) are not sharded yet"
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target.endswith(("q_norm.weight", "k_norm.weight")):
+                if gm.get_parameter(node.target).numel() != arch.head_dim:
+                    return f"{node.target} normalises the whole projection, not one head: it would need a gather"
+        return None
+
+    def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:
+        rank, world, group = _process_group()
+        graph = gm.graph
+        shards = nn.Module()
+        gm.add_module(SHARDS, shards)
+        waits: dict[torch.fx.Node, torch.fx.Node] = {}  # row-parallel output -> its wait
+        for node in _linears(gm, COLUMN + ROW + ("lm_head",)):
+            linear = _module(gm, node)
+            leaf = node.target.rsplit(".", 1)[-1]
+            sharded = _column(linear, rank, world) if leaf in COLUMN or leaf == "lm_head" else _row(linear, rank, world)
+            name = node.target.replace(".", "_")
+            shards.add_module(name, sharded)
+            node.target = f"{SHARDS}.{name}"
+            if leaf in ROW:
+                waits[node] = _all_reduce_after(graph, node, group)
+            elif leaf == "lm_head":
+                _all_gather_after(graph, node, world, group)
+        for name in ("k_cache", "v_cache"):  # [L, B, KV, S, D]: this rank's KV heads
+            cache = getattr(gm, name)
+            per_rank = cache.shape[2] // world
+            gm.register_buffer(name, cache[:, :, rank * per_rank : (rank + 1) * per_rank].clone(), persistent=False)
+        _delay_laddered_waits(graph, arch_of(gm).num_layers, waits)
+        graph.lint()
+        summary = f"rank {rank} of {world}: {2 * arch_of(gm).num_layers} all-reduces, logits gathered over the vocabulary"
+        return PassResult(gm, modified=True, summary=summary)
+
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """Two all-reduces a layer, each waited on; one gather for the logits; waits of laddered
+        sub-layers after the next sub-layer's all-reduce."""
+        graph = gm.graph
+        num_layers = arch_of(gm).num_layers
+        reduces = collective_nodes(graph, _ops.all_reduce.default)
+        if len(reduces) != 2 * num_layers:
+            raise GraphVerificationError(f"TensorParallel: {len(reduces)} all-reduces, expected {2 * num_layers}")
+        if any(not any(u.target is _ops.wait_tensor.default for u in r.users) for r in reduces):
+            raise GraphVerificationError("TensorParallel: an all-reduce is never waited on")
+        if len(collective_nodes(graph, _ops.all_gather_into_tensor.default)) != 1:
+            raise GraphVerificationError("TensorParallel: the logits are not gathered once")
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for reduce, later in zip(reduces, reduces[1:]):
+            wait = next(u for u in reduce.users if u.target is _ops.wait_tensor.default)
+            if info(later).layer in laddered_layers(graph, num_layers) and order[wait] < order[later]:
+                raise GraphVerificationError(
+                    f"TensorParallel: a laddered sub-layer of layer {info(reduce).layer} waits before the next all-reduce"
+                )
+
+
+def _linears(gm: torch.fx.GraphModule, leaves: tuple[str, ...]) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and n.target.rsplit(".", 1)[-1] in leaves]
+
+
+def _module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> nn.Linear:
+    return gm.get_submodule(node.target)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return linear
+
+
+def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
+    """Output rows [rank * n / W, (rank + 1) * n / W)."""
+    n = linear.out_features // world
+    rows = slice(rank * n, (rank + 1) * n)
+    return _linear(linear.weight[rows], None if linear.bias is None else linear.bias[rows])
+
+
+def _row(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
+    """Input columns [rank * n / W, (rank + 1) * n / W); the bias on rank 0 only (summed once)."""
+    n = linear.in_features // world
+    bias = None if linear.bias is None else linear.bias if rank == 0 else torch.zeros_like(linear.bias)
+    return _linear(linear.weight[:, rank * n : (rank + 1) * n], bias)
+
+
+def _annotated(node: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    node.meta[META_KEY] = NodeInfo(info(like).role, info(like).layer)
+    return node
+
+
+def _all_reduce_after(graph: torch.fx.Graph, node: torch.fx.Node, group: str) -> torch.fx.Node:
+    """node's output summed over ranks: node -> all_reduce -> wait_tensor, which node's users read."""
+    users = list(node.users)
+    with graph.inserting_after(node):
+        reduce = _annotated(graph.call_function(_ops.all_reduce.default, (node, "sum", group)), node)
+    with graph.inserting_after(reduce):
+        wait = _annotated(graph.call_function(_ops.wait_tensor.default, (reduce,)), node)
+    for user in users:
+        user.replace_input_with(node, wait)
+    return wait
+
+
+def _all_gather_after(graph: torch.fx.Graph, node: torch.fx.Node, world: int, group: str) -> None:
+    """logits [B, T, V / W] on each rank -> [B, T, V] on every rank, rank order along the vocabulary."""
+    users = list(node.users)
+    with graph.inserting_after(node):
+        front = _annotated(graph.call_method("movedim", (node, -1, 0)), node)  # [V / W, B, T]
+    with graph.inserting_after(front):
+        dense = _annotated(graph.call_method("contiguous", (front,)), node)
+    with graph.inserting_after(dense):
+        gather = _annotated(graph.call_function(_ops.all_gather_into_tensor.default, (dense, world, group)), node)
+    with graph.inserting_after(gather):
+        wait = _annotated(graph.call_function(_ops.wait_tensor.default, (gather,)), node)  # [V, B, T]
+    with graph.inserting_after(wait):
+        back = _annotated(graph.call_method("movedim", (wait, 0, -1)), node)  # [B, T, V]
+    for user in users:
+        user.replace_input_with(node, back)
+
+
+def _delay_laddered_waits(graph: torch.fx.Graph, num_layers: int, waits: dict[torch.fx.Node, torch.fx.Node]) -> None:
+    """In laddered layers, move each sub-layer's wait (and what leads from it to its residual add) to
+    just after the next sub-layer's all-reduce: the next sub-layer reads the stream from before it."""
+    laddered = set(laddered_layers(graph, num_layers))
+    ordered = [w for w in graph.nodes if w in set(waits.values())]  # sub-layer order
+    for wait, next_wait in zip(ordered, ordered[1:]):
+        if info(next_wait).layer not in laddered:
+            continue  # the next sub-layer reads this output: nothing to overlap with
+        add = next(a for a in residual_adds(graph, info(wait).layer) if _depends_on(a, wait))
+        issue = next_wait.args[0]  # the next sub-layer's all_reduce
+        chain = [n for n in graph.nodes if n is add or (_depends_on(n, wait) and _depends_on(add, n))]
+        anchor = issue
+        for node in chain:  # graph order, so each node still follows its inputs
+            anchor.append(node)
+            anchor = node
+
+
+def _depends_on(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether `source` is `node` or one of its inputs' ancestors (searched back through the inputs)."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is source:
+            return True
+        if current in seen or current.op == "placeholder":
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return False

@@ -1,0 +1,136 @@
+"""TensorParallel (rewrites.tensor_parallel): the sharded graph's structure in-process (a one-rank gloo
+group), and sharded numerics and speculative decoding across processes (`torchrun`, tests/tp_worker.py)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import tiny_model
+
+import specpass
+from specpass.errors import PassMismatchError
+from specpass.ir import capture
+from specpass.ir.roles import info
+from specpass.rewrites import LadderResidual, TensorParallel, TreeAttention
+from specpass.rewrites.tensor_parallel import collective_nodes
+
+WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+_ops = torch.ops._c10d_functional
+
+
+def _torchrun(processes: int, *args: str) -> str:
+    """Run the worker under torchrun (gloo, CPU) and return its output; fail with it on a non-zero exit."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+               "--master-port", str(_free_port()), WORKER, *args]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one process: the pass shards into one shard, with every collective in place."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_two_processes_shard_tiny_llama_qwen2_mistral_plain_and_laddered():
+    output = _torchrun(2)
+    for rank in (0, 1):
+        assert f"rank {rank} refusals: 3 refused with their reasons, graphs unchanged" in output
+        for arch in ("llama", "qwen2", "mistral"):
+            for ladder in ("()", "(0, 1)", "(1,)"):
+                prefix = f"rank {rank} {arch} LadderResidual(layers={ladder}):"
+                assert f"{prefix} prefill, decode and tree logits equal unsharded" in output
+                assert f"{prefix} speculative greedy under TP equals one-node greedy" in output
+
+
+def test_three_processes_shard_the_default_model():
+    """SmolLM2-135M has 9 heads and 3 KV heads: it splits over 3 processes (not 2)."""
+    output = _torchrun(3, "--default-model")
+    for rank in (0, 1, 2):
+        for ladder in ("()", "(-15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1)"):
+            prefix = f"rank {rank} SmolLM2-135M LadderResidual(layers={ladder}):"
+            assert f"{prefix} prefill, decode and tree logits equal unsharded" in output
+            assert f"{prefix} speculative greedy under TP equals one-node greedy" in output
+
+
+def _order(graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _waits(graph) -> list:
+    return collective_nodes(graph, _ops.wait_tensor.default)
+
+
+def test_a_sharded_step_has_two_all_reduces_a_layer_and_laddered_waits_come_after_the_next_compute(one_rank_group):
+    model = tiny_model("llama")
+    for ladder, laddered in ((LadderResidual(), set()), (LadderResidual((1,)), {1})):
+        pipeline = specpass.Pipeline(TreeAttention(8), ladder, TensorParallel())
+        gm, report = pipeline.run(capture(model, cache_size=64))
+        reduces = collective_nodes(gm.graph, _ops.all_reduce.default)
+        assert [info(r).layer for r in reduces] == [0, 0, 1, 1]  # attention and MLP of each layer
+        assert len(collective_nodes(gm.graph, _ops.all_gather_into_tensor.default)) == 1
+        order = _order(gm.graph)
+        for reduce, following in zip(reduces, reduces[1:]):
+            wait = next(iter(reduce.users))
+            next_compute = following.args[0]  # the next sub-layer's row-parallel output
+            delayed = order[wait] > order[following]
+            # a wait moves past the next sub-layer's compute and all-reduce iff that sub-layer is laddered
+            assert delayed == (info(following).layer in laddered)
+            assert order[next_compute] < order[following]
+        assert "rank 0 of 1: 4 all-reduces" in str(report)
+        # the sharded step still computes the same function (one shard: the whole model)
+        reference, _ = specpass.Pipeline(TreeAttention(8), ladder).run(capture(model, cache_size=64))
+        ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+        inputs = specpass.ir.SlotLayout.chain(0, 12).step_inputs(ids)
+        torch.testing.assert_close(gm(**inputs)[0], reference(**inputs)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_pass_refuses_without_a_process_group_twice_and_with_a_draft_graph(one_rank_group):
+    model = tiny_model("llama")
+    sharded, _ = specpass.Pipeline(TensorParallel()).run(capture(model, cache_size=64))
+    with pytest.raises(PassMismatchError, match="already sharded"):
+        specpass.Pipeline(TensorParallel()).run(sharded)
+    exited, _ = specpass.Pipeline(TreeAttention(8), specpass.rewrites.EarlyExit(1)).run(capture(model, cache_size=64))
+    with pytest.raises(PassMismatchError, match="draft graph"):
+        specpass.Pipeline(TensorParallel()).run(exited)
+    dist.destroy_process_group()
+    try:
+        with pytest.raises(PassMismatchError, match="torch.distributed is not initialised"):
+            specpass.Pipeline(TensorParallel()).run(capture(model, cache_size=64))
+    finally:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def test_the_cli_generates_under_torchrun_and_refuses_without_it(tmp_path, capsys):
+    from conftest import char_tokenizer
+
+    from specpass.cli import main
+
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path / "model")
+    char_tokenizer(model.config.vocab_size).save_pretrained(tmp_path / "model")
+    pipeline = specpass.Pipeline(TreeAttention(16), LadderResidual((1,)), TensorParallel()).to_json()
+    args = ["generate", "--model", str(tmp_path / "model"), "--prompt", "the cat sat on the mat", "--raw",
+            "--max-new-tokens", "16", "--pipeline", pipeline]  # fmt: skip
+    assert main(args) == 2  # not under torchrun: one line, before the model loads
+    assert "launch with `torchrun --nproc-per-node N --no-python specpass generate" in capsys.readouterr().err
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "specpass.cli", *args]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.count("identical to greedy: True") == 1  # rank 0 prints, against the laddered model's greedy
+    assert done.stdout.count("note: the output differs from the original model's: LadderResidual") == 1

@@ -1,0 +1,102 @@
+"""Run by tests/test_tensor_parallel.py under `torchrun --nproc-per-node W` (gloo, CPU).
+
+Each rank shards tiny models (and, with --default-model, SmolLM2-135M at W = 3: 9 heads, 3 KV heads)
+and checks against the same model unsharded, in the same process: logits of a prefill, a one-token
+decode step and a tree verification (allclose: rtol 1e-5, atol 1e-5; 1e-4 on the 30-layer model, whose
+row-parallel sums are added in another order), for the plain and the laddered model; then
+speculative greedy decoding under TP against single-process one-node greedy, token for token (every
+step's accepted path is compared across ranks inside the program). Prints one OK line per check.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import specpass
+from specpass.drafters import DraftTree
+from specpass.ir import SlotLayout, capture
+from specpass.rewrites import LadderResidual, TensorParallel, TreeAttention
+from specpass.tiny_models import tiny_model
+
+
+def _steps(gm) -> list[torch.Tensor]:
+    """Logits of a 20-token prefill, a one-token step and a 5-node tree, in that order."""
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    run = lambda ids, layout: gm(**{k: v for k, v in layout.step_inputs(ids).items() if k in names})[0]  # noqa: E731
+    prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
+    return [run(prompt, SlotLayout.chain(0, 20)), run(torch.tensor([[11]]), SlotLayout.chain(20, 1)),
+            run(torch.tensor([tree.tokens]), SlotLayout(21, tree.ancestor_mask()))]  # fmt: skip
+
+
+@torch.no_grad()
+def check(model, ladder: LadderResidual, name: str, new_tokens: int, prompts: list[torch.Tensor], atol: float) -> None:
+    rank = dist.get_rank()
+    single, _ = specpass.Pipeline(TreeAttention(16), ladder).run(capture(model, cache_size=96))
+    sharded, _ = specpass.Pipeline(TreeAttention(16), ladder, TensorParallel()).run(capture(model, cache_size=96))
+    worst = 0.0
+    for expected, got in zip(_steps(single), _steps(sharded)):  # prefill, decode, tree
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol)
+        worst = max(worst, float((got - expected).abs().max()))
+    print(f"rank {rank} {name} {ladder}: prefill, decode and tree logits equal unsharded "
+          f"(max |diff| {worst:.1e})", flush=True)  # fmt: skip
+    one_node = {"budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1), ladder)}
+    tp = {"pipeline": specpass.Pipeline(TreeAttention(16), ladder, TensorParallel())}
+    for ids in prompts:
+        expected = specpass.generate(model, ids, new_tokens, options=one_node).sequences
+        out = specpass.generate(model, ids, new_tokens, options=tp)
+        assert torch.equal(out.sequences, expected), (name, ladder, out.sequences, expected)
+    print(f"rank {rank} {name} {ladder}: speculative greedy under TP equals one-node greedy "
+          f"({len(prompts)} prompts, tau {out.stats.tau:.2f})", flush=True)  # fmt: skip
+
+
+def refusals() -> None:
+    """Where the pass must not apply, with W = 2: the reason, and the graph unchanged."""
+    import transformers
+
+    from specpass.errors import PassMismatchError
+
+    three_kv = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=3)).eval()  # fmt: skip
+    cases = {"3 KV heads do not split over 2 processes": three_kv,
+             "fused projections (layers.0.self_attn.qkv_proj": tiny_model("phi3"),
+             "normalises the whole projection": tiny_model("olmo2")}  # fmt: skip
+    for reason, model in cases.items():
+        gm = capture(model, cache_size=32)
+        source = gm.graph.python_code("self").src
+        try:
+            specpass.Pipeline(TensorParallel()).run(gm)
+        except PassMismatchError as exc:
+            assert reason in str(exc), (reason, str(exc))
+        else:
+            raise AssertionError(f"TensorParallel applied where it must not: {reason}")
+        assert gm.graph.python_code("self").src == source
+    print(f"rank {dist.get_rank()} refusals: {len(cases)} refused with their reasons, graphs unchanged", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    if "--default-model" in argv:
+        from specpass import prompts
+
+        model, tokenizer = specpass.load_default_model()
+        cases = [prompts.encode_code(tokenizer, p) for p in prompts.code_prompts(1, offset=160)]
+        for ladder in (LadderResidual(), LadderResidual.top(15)):
+            check(model, ladder, "SmolLM2-135M", 24, cases, atol=1e-4)  # 30 layers, logits ~20: row sums reordered
+    else:
+        refusals()
+        for arch in ("llama", "qwen2", "mistral"):
+            model = tiny_model(arch)
+            cases = [torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(s)) for s in (4, 5)]
+            for ladder in (LadderResidual(), LadderResidual((0, 1)), LadderResidual((1,))):
+                check(model, ladder, arch, 30, cases, atol=1e-5)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
