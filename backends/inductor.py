@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from specpass.backends.lowering import EagerStep
+from specpass.backends.eager import EagerStep
 
 
 class InductorStep(EagerStep):

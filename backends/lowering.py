@@ -9,33 +9,10 @@ import torch
 import torch.fx
 
 from specpass.backends import onednn
+from specpass.backends.eager import EagerStep
 from specpass.backends.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
 from specpass.ir.draft import draft_graph, resume_graph
-from specpass.ir.layout import SlotLayout
-
-
-class EagerStep:
-    """Runs a GraphModule directly: the rewritten step itself (`eager`, the reference) or its oneDNN lowering.
-
-    A lowered verify step is called as `step(input_ids [B, T], layout)` (ir.layout.SlotLayout) and
-    returns the graph's outputs (logits [B, T, V], hidden [B, T, H], ...); `run_graph` takes the
-    graph's inputs by name (a draft graph is called that way, with its DraftGraphSpec's inputs).
-    """
-
-    def __init__(self, gm: torch.fx.GraphModule, kind: str = "eager"):
-        self.gm = gm
-        self.kind = kind
-        self.input_names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        self.device = next(iter([*gm.parameters(), *gm.buffers()]), torch.empty(0)).device
-
-    @torch.no_grad()
-    def run_graph(self, inputs: dict):
-        return self.gm(**{name: inputs[name] for name in self.input_names})
-
-    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout):
-        """input_ids [B, T] and layout on the host or on the step's device."""
-        return self.run_graph(layout.to(self.device).step_inputs(input_ids.to(self.device)))
 
 
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
