@@ -13,7 +13,8 @@ committed, committed + 1, ... (`moves`), and the next step's committed length is
 
 The layout is built once per step on the host (`SlotLayout`), so no backend ever reads a length back
 from the device; the decode loop hands it to the program on the host, and each lowering moves what it
-needs to its device (a CUDA-graph replay pads on the host and copies the padded inputs once). Inside a graph it is encoded two ways, both defined here:
+needs to its device (a CUDA-graph replay pads on the host and copies the padded inputs once). Inside
+a graph it is encoded two ways, both defined here:
 
 * the static-cache step (rewrites.TreeAttention) takes `cache_slots` = the write slots and
   `tree_mask` = the ancestor mask; the committed length is `cache_slots[0]` (`slot_visibility`);
@@ -63,7 +64,9 @@ class SlotLayout:
 
     def to(self, device: torch.device | str) -> SlotLayout:
         """The same layout with its mask on `device` (itself when already there)."""
-        return self if self.ancestors.device == torch.device(device) else SlotLayout(self.committed, self.ancestors.to(device))
+        if self.ancestors.device == torch.device(device):
+            return self
+        return SlotLayout(self.committed, self.ancestors.to(device))
 
     def write_slots(self) -> torch.Tensor:
         """[T] int64: the slot each token's K/V is written to."""

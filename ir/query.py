@@ -8,11 +8,13 @@ layers do not share one (the caller says why it cannot proceed).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
 from specpass.ir.ops import sliding_window_visibility, softcapped_attention
-from specpass.ir.roles import Role, nodes_with_role
+from specpass.ir.roles import Role, info, nodes_with_role
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 ATTENTION_FUNCTIONS = (SDPA, softcapped_attention)
@@ -68,3 +70,8 @@ def cache_buffer(write: torch.fx.Node) -> str:
     while node.op != "get_attr":
         node = node.args[0]
     return node.target
+
+
+def residual_adds(graph: torch.fx.Graph, layer: int) -> list[torch.fx.Node]:
+    """A layer's residual adds in graph order: [stream + attention output, stream + MLP output]."""
+    return [n for n in nodes_with_role(graph, Role.RESIDUAL) if info(n).layer == layer and n.target is operator.add]

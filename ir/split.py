@@ -20,11 +20,11 @@ family and after any rewrite that keeps those annotations.
 from __future__ import annotations
 
 import copy
-import operator
 
 import torch
 import torch.fx
 
+from specpass.ir import query
 from specpass.ir.roles import META_KEY, NodeInfo, Role, info
 
 EXIT_HIDDEN = "exit_hidden"  # the resume graph's input: the residual stream after the exit layer
@@ -32,7 +32,7 @@ EXIT_HIDDEN = "exit_hidden"  # the resume graph's input: the residual stream aft
 
 def layer_output(graph: torch.fx.Graph, layer: int) -> torch.fx.Node:
     """The node holding the residual stream after `layer`: the layer's last residual add."""
-    adds = [n for n in graph.nodes if info(n).layer == layer and info(n).role is Role.RESIDUAL and n.target is operator.add]
+    adds = query.residual_adds(graph, layer)
     if not adds:
         raise ValueError(f"the graph has no residual add annotated with layer {layer}")
     return adds[-1]

@@ -36,7 +36,6 @@ graph (its cut at a layer boundary would separate a laddered attention from the 
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch.fx
@@ -44,15 +43,11 @@ import torch.fx
 from specpass.errors import GraphVerificationError, InvalidParameterError
 from specpass.ir import arch_of
 from specpass.ir.draft import resume_graph
-from specpass.ir.roles import Role, info
+from specpass.ir.query import residual_adds
+from specpass.ir.roles import info
 from specpass.passes.base import Pass, PassResult
 
 LADDER_RESIDUAL = "ladder_residual"
-
-
-def residual_adds(graph: torch.fx.Graph, layer: int) -> list[torch.fx.Node]:
-    """The layer's residual adds in graph order: [stream + attention output, stream + MLP output]."""
-    return [n for n in graph.nodes if info(n).layer == layer and info(n).role is Role.RESIDUAL and n.target is operator.add]
 
 
 def _stream_input(add: torch.fx.Node) -> torch.fx.Node:

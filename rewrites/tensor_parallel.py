@@ -41,9 +41,10 @@ from torch import nn
 from specpass.errors import GraphVerificationError
 from specpass.ir import arch_of
 from specpass.ir.draft import draft_graph
+from specpass.ir.query import residual_adds
 from specpass.ir.roles import META_KEY, NodeInfo, info
 from specpass.passes.base import Pass, PassResult
-from specpass.rewrites.ladder_residual import laddered_layers, residual_adds
+from specpass.rewrites.ladder_residual import laddered_layers
 
 TENSOR_PARALLEL = "tensor_parallel"
 SHARDS = "tp"  # submodule holding the sharded linears
@@ -169,7 +170,7 @@ def _column(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
 def _row(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
     """Input columns [rank * n / W, (rank + 1) * n / W); the bias on rank 0 only (summed once)."""
     n = linear.in_features // world
-    bias = None if linear.bias is None else linear.bias if rank == 0 else torch.zeros_like(linear.bias)
+    bias = linear.bias if rank == 0 else None
     return _linear(linear.weight[:, rank * n : (rank + 1) * n], bias)
 
 

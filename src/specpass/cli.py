@@ -89,8 +89,7 @@ def _pytorch_runs(args: argparse.Namespace):
     def speculative(ids, max_new_tokens):
         return specpass.generate(compiled, ids, max_new_tokens=max_new_tokens, **sampling)
 
-    label = "plain sampling (one-node)" if sampling["do_sample"] else "plain greedy (HF)"
-    label = "plain greedy (same rewrites)" if lossy and not sampling["do_sample"] else label
+    label = "plain sampling (one-node)" if sampling["do_sample"] else "plain greedy (same rewrites)" if lossy else "plain greedy (HF)"
     return tokenizer, reference, speculative, label
 
 
