@@ -11,6 +11,8 @@ nodes' outputs are the unpadded step's, and the padded nodes' are discarded.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specpass.ir.layout import SlotLayout
@@ -39,7 +41,7 @@ def pad_step(input_ids: torch.Tensor, layout: SlotLayout, size: int) -> tuple[to
     ids[:, :t] = input_ids
     ancestors = torch.eye(size, dtype=torch.bool, device=layout.device)
     ancestors[:t, :t] = layout.ancestors
-    padded = SlotLayout(layout.committed, ancestors)
-    positions = padded.write_slots()  # padded node k: committed + k
+    padded = dataclasses.replace(layout, ancestors=ancestors)
+    positions = padded.write_slots() + layout.evicted  # padded node k: evicted + committed + k
     positions[:t] = layout.positions()
     return ids, positions[None].expand(batch, -1), padded

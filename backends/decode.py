@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,19 +69,53 @@ def check_prompt(input_ids: object) -> None:
         raise InvalidParameterError("the prompt is empty: give at least one token")
 
 
-def check_request(input_ids: torch.Tensor, max_new_tokens: int, cache_size: int, vocab_size: int) -> None:
-    """Everything about a request that can be wrong, checked before the first forward."""
+def check_request(input_ids: torch.Tensor, max_new_tokens: int, cache_size: int, vocab_size: int,
+                  evicts: bool = False) -> None:  # fmt: skip
+    """Everything about a request that can be wrong, checked before the first forward (an evicting
+    cache takes a prompt of any length, in pieces)."""
     check_prompt(input_ids)
     check_max_new_tokens(max_new_tokens)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise InvalidParameterError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
-    if input_ids.shape[1] > cache_size:
+    if input_ids.shape[1] > cache_size and not evicts:
         raise CacheCapacityError(
             f"the prompt has {input_ids.shape[1]} tokens but the KV cache holds {cache_size}; "
             "compile with a larger options['cache_size']"
         )
+
+
+@dataclass
+class CacheCursor:
+    """Where the next step goes: `cached` slots hold committed tokens, `seen` tokens were committed
+    (evicted ones included, so `seen` is the next token's rotary position)."""
+
+    cached: int = 0
+    seen: int = 0
+
+    def layout(self, ancestors: torch.Tensor) -> SlotLayout:
+        return SlotLayout(self.cached, ancestors, evicted=self.seen - self.cached)
+
+    def commit(self, program: DecodeProgram, layout: SlotLayout, path: Sequence[int]) -> None:
+        self.cached = program.commit(layout, path)
+        self.seen += len(path)
+
+
+def feed(program: DecodeProgram, tokens: torch.Tensor, cursor: CacheCursor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Run tokens [P] (on the host) as a chain and commit them: in one forward, or in pieces that fit
+    an evicting cache (the same cache as one token at a time: rewrites.kv_eviction). Yields each
+    piece's logits [n, V] and hidden [n, H]."""
+    start = 0
+    while start < tokens.shape[0]:
+        n = tokens.shape[0] - start
+        if program.evicts:
+            n = min(n, program.room(cursor.cached))
+        layout = cursor.layout(torch.ones(n, n, dtype=torch.bool).tril())
+        logits, hidden = program.forward(tokens[start : start + n], layout)  # [n, V], [n, H]
+        cursor.commit(program, layout, range(n))
+        yield logits, hidden
+        start += n
 
 
 def _as_chain(tree: DraftTree) -> DraftTree:
@@ -113,7 +147,7 @@ def generate(
     every emitted token, in order; True ends the generation after that token (finish reason "stop").
     Plain greedy takes its choice from the top-k the drafters get anyway (no second pass over the logits).
     """
-    check_request(input_ids, max_new_tokens, program.cache_size, program.vocab_size)
+    check_request(input_ids, max_new_tokens, program.cache_size, program.vocab_size, program.evicts)
     choice = choice if choice is not None else TargetChoice()
     curve = program.cost_curve if program.budget == "cost" else None
     device = program.device
@@ -123,16 +157,19 @@ def generate(
     n_prompt = len(tokens)
 
     top_k = min(program.drafter.target_topk, program.vocab_size)  # the target's top candidates the drafters read
-    prompt = SlotLayout.chain(0, n_prompt)  # layouts and tokens go to the program on the host (ir.layout)
-    logits, hidden = program.forward(input_ids[0].cpu(), prompt)  # [P, V], [P, H]
-    program.commit(prompt, range(n_prompt))  # the prompt is a chain: every node is kept
-    topk = logits.topk(top_k, dim=-1).indices.cpu()  # [P, k]
+    cursor = CacheCursor()  # layouts and tokens go to the program on the host (ir.layout)
+    topks, hiddens = [], []
+    for logits, hidden in feed(program, input_ids[0].cpu(), cursor):  # [n, V], [n, H] a piece
+        topks.append(logits.topk(top_k, dim=-1).indices.cpu())
+        hiddens.append(hidden)
+    forwards = 1  # the prefill, in however many pieces (tau counts decode steps and the prefill's token)
+    topk, hidden = torch.cat(topks), torch.cat(hiddens)  # [P, k], [P, H]
     choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
     if not choice.plain_greedy:
         choices[-1] = choice(logits[-1:], tokens)[0]
     prefill = TargetForward(topk, hidden, choices)
     tokens.append(int(choices[-1]))
-    cached, forwards, sizes = n_prompt, 1, []
+    sizes = []
     steps: list[int] = []
     sessions = program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft)
     drafting = Drafting(sessions)
@@ -141,7 +178,7 @@ def generate(
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
     while finish is None:
         step_started = time.perf_counter()
-        room = program.cache_size - cached
+        room = program.room(cursor.cached)
         if room < 1:
             finish = "cache_full"
             break
@@ -152,7 +189,7 @@ def generate(
         size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
         size = program.agreed_size(size)
         tree = tree.prefix(size)
-        layout = SlotLayout(cached, tree.ancestor_mask())
+        layout = cursor.layout(tree.ancestor_mask())
         exit_states = drafting.precomputed(tree) if program.resumes_from_exit else None  # [T, H] or None
         if exit_states is not None:  # the early-exit draft ran these nodes' lower layers in their slots
             logits, hidden = program.forward_from_exit(exit_states, layout)  # [T, V], [T, H]
@@ -162,10 +199,9 @@ def generate(
         choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
         verified = TargetForward(topk, hidden, choices)
         path = accept_greedy(tree, choices.tolist())
-        program.commit(layout, path)
+        cursor.commit(program, layout, path)
         new = [tree.tokens[i] for i in path[1:]] + [int(choices[path[-1]])]
         drafting.observe(tree, verified, path, tokens)
-        cached += len(path)
         forwards += 1
         sizes.append(len(tree))
         emitted, stopped = _emit(tokens, new, n_prompt, max_new_tokens, eos, stop)

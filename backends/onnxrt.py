@@ -114,7 +114,7 @@ class OrtProgram(DecodeProgram):
         self._new = (outputs["new_keys"], outputs["new_values"])
         return outputs["logits"][0], outputs["hidden"][0]
 
-    def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
+    def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
         if self._new is None:
             raise SpecpassError("commit before any forward")
         start = layout.committed
@@ -122,6 +122,7 @@ class OrtProgram(DecodeProgram):
         nodes = torch.tensor(list(path), device=self.device)
         for cache, new in zip((self.keys, self.values), self._new):
             cache[:, :, :, start : start + len(path)] = new.index_select(3, nodes)
+        return start + len(path)
 
     def _outputs(self, t: int) -> dict[str, torch.Tensor]:
         layers, batch, heads, dim = self._kv_shape

@@ -16,6 +16,7 @@ from torch import nn
 
 from specpass.backends import cost, distributed
 from specpass.backends.compile import specpass_backend
+from specpass.backends.eviction import Eviction
 from specpass.backends.kv import compact
 from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
@@ -51,7 +52,8 @@ class DecodeProgram(ABC):
 
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), verifies_trees (False:
     draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), and implement
-    `forward` and `commit`.
+    `forward` and `commit`. An evicting program (rewrites.kv_eviction) sets `max_step`: the most
+    tokens one forward may take (prompts are fed in pieces); its commits free cache slots.
     budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
     """
 
@@ -70,6 +72,7 @@ class DecodeProgram(ABC):
         self._cost: cost.CostCurve | None = None
 
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
+    max_step: int | None = None  # evicting programs: the most tokens a forward takes (None: the cache's room)
     resumes_from_exit = False  # True: `forward_from_exit` verifies a chain the early-exit draft ran
 
     def agreed_size(self, size: int) -> int:
@@ -89,8 +92,18 @@ class DecodeProgram(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no resume graph")
 
     @abstractmethod
-    def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
-        """Keep the K/V of the step's nodes `path` (root first) in slots committed, committed + 1, ..."""
+    def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
+        """Keep the K/V of the step's nodes `path` (root first) in slots committed, committed + 1, ...;
+        returns how many slots hold committed tokens now (fewer after an eviction)."""
+
+    @property
+    def evicts(self) -> bool:
+        return self.max_step is not None
+
+    def room(self, cached: int) -> int:
+        """The most tokens the next forward may take with `cached` slots committed."""
+        room = self.cache_size - cached
+        return room if self.max_step is None else min(room, self.max_step)
 
     def forget(self) -> None:
         """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
@@ -132,6 +145,10 @@ class SpeculativeProgram(DecodeProgram):
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
         self.resumes_from_exit = self.step.resume is not None
         self.tensor_parallel = options.pipeline.has(TensorParallel)
+        self.eviction = Eviction.of(gm)
+        if self.eviction is not None:  # no step takes more than the slots an eviction frees
+            self.max_step = self.eviction.policy.chunk
+            self.max_nodes = min(self.max_nodes, self.max_step)
 
     def agreed_size(self, size: int) -> int:
         return distributed.rank0_int(size) if self.tensor_parallel else size
@@ -156,20 +173,23 @@ class SpeculativeProgram(DecodeProgram):
             return cost.CostCurve(curve.sizes, distributed.rank0_floats(curve.seconds))
         if not isinstance(run, FastestPerSize):
             return super().measure_cost(sizes, kv_len)
-        measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= kv_len})
+        measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= min(kv_len, self.max_step or kv_len)})
         curves = {}
         for kind in run.kinds:
             with run.pinned(kind):
                 curves[kind] = super().measure_cost(measured, kv_len)
         return run.choose(curves).subset(sizes)
 
-    def commit(self, layout: SlotLayout, path: Sequence[int]) -> None:
+    def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
         if self.tensor_parallel:
             distributed.check_same_path(path)
         src, dst = layout.moves(path)
         if src:
             src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
             compact(self.k_cache, self.v_cache, src, dst)
+        if self.eviction is not None:
+            return self.eviction.after_commit(layout, path)
+        return layout.committed + len(path)
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -39,7 +39,8 @@ from specpass.ir.roles import META_KEY, NodeInfo, Role
 
 DRAFT_MODULE = "draft"  # the step's submodule holding the draft graph
 RESUME_MODULE = "resume"  # with a cache-sharing draft graph: the step's layers after the draft's (ir.split)
-SIDE_GRAPHS = (DRAFT_MODULE, RESUME_MODULE)  # submodules the verify graph does not call, kept with it
+OBSERVE_MODULE, EVICT_MODULE = "kv_observe", "kv_evict"  # a KV-eviction pass's graphs (rewrites.kv_eviction)
+SIDE_GRAPHS = (DRAFT_MODULE, RESUME_MODULE, OBSERVE_MODULE, EVICT_MODULE)  # submodules the verify graph does not call
 DRAFT_META = "specpass_draft"  # gm.meta key holding its DraftGraphSpec
 ROWS = "N"  # the dynamic row dimension of a draft graph's inputs and outputs
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}

@@ -5,11 +5,16 @@ A step verifies T tokens (a draft tree, a chain, or a prompt) over a committed p
     slots [0, committed)                  the committed prefix: every token of the step sees all of it
     slot  committed + i                   where token i's K/V is written (its write slot)
     token i sees slot committed + j       iff ancestors[i, j] (j is i or an ancestor of i in the tree)
-    token i's rotary position             committed + depth(i), depth(i) = ancestors[i].sum() - 1
+    token i's rotary position             evicted + committed + depth(i), depth(i) = ancestors[i].sum() - 1
     kv_len = committed + T                the slots a step attends over
 
 After verification the accepted path (node indices, root first) moves into consecutive slots
 committed, committed + 1, ... (`moves`), and the next step's committed length is committed + len(path).
+
+`evicted` counts committed tokens no longer in the cache (rewrites.kv_eviction; 0 without eviction).
+Rotary positions are the tokens' original positions in the sequence: a cached key keeps the rotary it
+was written with, so evicting a token is exactly hiding it from attention, and slots and positions
+part ways (slot = position only while nothing was evicted).
 
 The layout is built once per step on the host (`SlotLayout`), so no backend ever reads a length back
 from the device; the decode loop hands it to the program on the host, and each lowering moves what it
@@ -24,6 +29,7 @@ a graph it is encoded two ways, both defined here:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,17 +42,18 @@ class SlotLayout:
 
     committed: int  # slots [0, committed) hold the committed prefix
     ancestors: torch.Tensor  # [T, T] bool: ancestors[i, j] iff j is i or an ancestor of i
+    evicted: int = 0  # committed tokens evicted from the cache: the root's position is evicted + committed
 
     def __post_init__(self):
-        if self.committed < 0:
-            raise ValueError(f"committed length must be >= 0, got {self.committed}")
+        if self.committed < 0 or self.evicted < 0:
+            raise ValueError(f"committed and evicted counts must be >= 0, got {self.committed}, {self.evicted}")
         if self.ancestors.dim() != 2 or self.ancestors.shape[0] != self.ancestors.shape[1] or self.size < 1:
             raise ValueError(f"ancestors must be a non-empty square [T, T] mask, got {tuple(self.ancestors.shape)}")
 
     @classmethod
-    def chain(cls, committed: int, size: int, device: torch.device | str = "cpu") -> SlotLayout:
+    def chain(cls, committed: int, size: int, device: torch.device | str = "cpu", evicted: int = 0) -> SlotLayout:
         """T tokens in a row (a prompt, or a draft chain): token i's ancestors are tokens 0..i-1."""
-        return cls(committed, torch.ones(size, size, dtype=torch.bool, device=device).tril())
+        return cls(committed, torch.ones(size, size, dtype=torch.bool, device=device).tril(), evicted)
 
     @property
     def size(self) -> int:
@@ -66,15 +73,15 @@ class SlotLayout:
         """The same layout with its mask on `device` (itself when already there)."""
         if self.ancestors.device == torch.device(device):
             return self
-        return SlotLayout(self.committed, self.ancestors.to(device))
+        return dataclasses.replace(self, ancestors=self.ancestors.to(device))
 
     def write_slots(self) -> torch.Tensor:
         """[T] int64: the slot each token's K/V is written to."""
         return torch.arange(self.committed, self.kv_len, device=self.device)
 
     def positions(self) -> torch.Tensor:
-        """[T] int64: rotary positions, committed length + depth in the tree."""
-        return self.committed + self.ancestors.sum(-1) - 1
+        """[T] int64: rotary positions, evicted + committed length + depth in the tree."""
+        return self.evicted + self.committed + self.ancestors.sum(-1) - 1
 
     def step_inputs(self, input_ids: torch.Tensor) -> dict:
         """The static-cache step's inputs for `input_ids` [B, T] laid out here (a chain step reads

@@ -30,6 +30,7 @@ class Role(enum.Enum):
     NORM = "norm"
     LM_HEAD = "lm_head"
     DRAFT = "draft"  # nodes of a draft graph (ir.draft) that have no more specific role
+    EVICTION = "eviction"  # ops a KV-eviction pass adds (rewrites.kv_eviction)
 
 
 @dataclass(frozen=True)

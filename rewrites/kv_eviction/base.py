@@ -1,0 +1,174 @@
+"""KV-cache eviction as a graph rewrite: the pass every policy (policies.py) shares.
+
+Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer (see ../shared/seeds).
+
+Semantics (the model a policy defines). The cache holds at most `budget` tokens per layer and KV
+head: the K/V buffers are cut to `budget` slots, so memory really falls. Tokens are committed in
+order; when the committed tokens fill all `budget` slots, the policy keeps `kept = budget - chunk`
+of them (per layer, and per KV head where it ranks per head) and the next tokens fill the freed
+`chunk` slots. A token sees exactly the tokens kept when it was processed, itself included. Scores
+come from committed tokens only: each accepted token's attention over the slots it saw.
+
+Why evict `chunk` tokens at once rather than one per token: evictions then happen at fixed token
+counts, so any split of the input into steps gives the same cache. A prompt fed in pieces, a draft
+tree of up to `chunk` nodes verified in one forward, or one token at a time all see what the
+token-by-token model sees (the decode loop never lets a step run past a full cache). So speculation
+adds no change of its own: its greedy output equals this policy's plain greedy output.
+
+Positions. A cached key keeps the rotary of its original position (the step applies rotary before
+the cache write), and new tokens get their original positions (`SlotLayout.evicted`): evicting a
+token is then exactly hiding it from attention, keys need no re-rotation, and a budget at least
+the sequence length gives the full-cache model token for token. (StreamingLLM re-indexes positions
+inside the cache to run past the trained context; within it, original positions are exact.)
+
+Rewrite. Cuts `k_cache` / `v_cache` to `budget` slots, adds the policy's state buffers, inserts
+before each layer's attention an op that keeps the step's queries (`ops.record_queries`), and adds
+the side graphs `kv_observe` and `kv_evict` (ops.py), which the program runs after each commit.
+Refused: a second eviction pass, sliding-window or soft-capped attention (the scores would need the
+window's or cap's own rule), an early-exit step (its draft writes queries one token at a time), a
+sharded step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.fx
+
+from specpass.errors import GraphVerificationError, InvalidParameterError
+from specpass.ir import arch_of, model_parts, query
+from specpass.ir.draft import resume_graph
+from specpass.ir.roles import Role, annotate
+from specpass.passes.base import CAPTURED, Pass, PassResult
+from specpass.rewrites.kv_eviction import ops
+from specpass.rewrites.tree_attention import TREE_ATTENTION
+
+KV_EVICTION = "kv_eviction"
+EVICTION_META = "specpass_eviction"  # gm.meta key holding the eviction pass that rewrote the step
+
+
+def check_int(owner: str, name: str, value: object, low: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InvalidParameterError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVEviction(Pass):
+    """Base of the eviction policies (module docstring). budget: cache slots per layer and KV head;
+    chunk: slots freed per eviction (the largest step the cache takes: trees and prompt pieces)."""
+
+    budget: int
+    chunk: int = 32
+
+    requires = frozenset({CAPTURED, TREE_ATTENTION})
+    ensures = frozenset({KV_EVICTION})
+    changes_output = "KV eviction: attention sees only the tokens the policy keeps within its budget"
+
+    scored: ClassVar[bool] = True  # keeps per-slot scores updated by every accepted token
+    window_queries: ClassVar[bool] = False  # keeps the queries of the last `window` tokens (SnapKV)
+    gumbel: ClassVar[bool] = False  # Gumbel noise on the scoring logits (Keyformer)
+
+    def __post_init__(self):
+        check_int(self.name, "budget", self.budget, low=2)
+        check_int(self.name, "chunk", self.chunk)
+        if self.chunk >= self.budget:
+            raise InvalidParameterError(f"{self.name}: chunk ({self.chunk}) must be below the budget ({self.budget})")
+        if self.protected_count() > self.kept:
+            raise InvalidParameterError(
+                f"{self.name}: {self.protected_count()} protected slots do not fit the {self.kept} slots kept "
+                f"(budget {self.budget} - chunk {self.chunk})"
+            )
+
+    @property
+    def kept(self) -> int:
+        """Tokens left in every layer's cache after an eviction."""
+        return self.budget - self.chunk
+
+    @property
+    def temperature_value(self) -> float:
+        return 1.0
+
+    def protected_count(self) -> int:
+        """How many slots the policy always keeps (sinks, a recent window)."""
+        return int(self.protected(self.budget).sum())
+
+    def protected(self, slots: int) -> torch.Tensor:
+        """[slots] bool: slots kept whatever their score, when all `slots` are full."""
+        return torch.zeros(slots, dtype=torch.bool)
+
+    def update(self, scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """New scores [B, KV, S] from the old and the accepted tokens' attention [B, KV, n, S]."""
+        raise NotImplementedError
+
+    def priority(self, scores: torch.Tensor) -> torch.Tensor:
+        """What is kept first, from the scores [L, B, KV, S]; ranks per KV head unless overridden."""
+        return scores
+
+    def check(self, gm: torch.fx.GraphModule) -> str | None:
+        if EVICTION_META in gm.meta:
+            return f"the step already evicts ({type(gm.meta[EVICTION_META]).__name__})"
+        if any(op.target is not query.SDPA for op in query.attention_ops(gm.graph)):
+            return "the model soft-caps its attention logits: the eviction scores would need the cap"
+        arch = arch_of(gm)
+        if arch.smallest_window is not None:
+            return f"the model has sliding-window layers (window {arch.smallest_window}): eviction would need the window's own rule"
+        if resume_graph(gm) is not None:
+            return "the step has an early-exit draft graph, which records queries one token at a time"
+        if any(n.op == "call_function" and "all_reduce" in str(n.target) for n in gm.graph.nodes):
+            return "the step is sharded over processes (TensorParallel)"
+        return None
+
+    def rewrite(self, gm: torch.fx.GraphModule) -> PassResult:
+        layers, batch, kv, _, dim = gm.k_cache.shape
+        arch = arch_of(gm)
+        device, dtype = gm.k_cache.device, gm.k_cache.dtype
+        buffers = {}
+        for name in ("k_cache", "v_cache"):  # [L, B, KV, budget, D]: memory falls to the budget
+            buffers[name] = torch.zeros(layers, batch, kv, self.budget, dim, device=device, dtype=dtype)
+        if self.scored:
+            buffers[ops.SCORES] = torch.zeros(layers, batch, kv, self.budget, device=device)
+        buffers[ops.QUERIES] = torch.zeros(layers, batch, arch.num_heads, self.chunk, dim, device=device, dtype=dtype)
+        if self.window_queries:
+            buffers[ops.WINDOW_QUERIES] = torch.zeros(layers, batch, arch.num_heads, self.window, dim,
+                                                      device=device, dtype=dtype)  # fmt: skip
+        for name, buffer in buffers.items():
+            gm.register_buffer(name, buffer, persistent=False)
+        graph = gm.graph
+        store = None
+        for layer, attention in enumerate(query.attention_ops(graph)):
+            if store is None:
+                with graph.inserting_before(attention):
+                    store = annotate(graph.get_attr(ops.QUERIES), Role.EVICTION)
+            with graph.inserting_before(attention):
+                recorded = graph.call_function(ops.record_queries, (store, layer, attention.args[0]))
+                annotate(recorded, Role.EVICTION, layer)
+            attention.args = (recorded, *attention.args[1:])
+        scales = tuple(layer.attention.scale for layer in model_parts(gm).layers)
+        state = {name: buffers[name] for name in buffers if name not in ("k_cache", "v_cache")}
+        shared = {"k_cache": buffers["k_cache"], "v_cache": buffers["v_cache"], **state}
+        gm.add_submodule(ops.OBSERVE_MODULE, ops.trace(ops.Observe(self, shared, scales)))
+        gm.add_submodule(ops.EVICT_MODULE, ops.trace(ops.Evict(self, shared, scales)))
+        gm.meta[EVICTION_META] = self
+        state_bytes = sum(b.numel() * b.element_size() for b in state.values())
+        summary = (f"cache cut to {self.budget} slots, {self.kept} kept per eviction; queries recorded in "
+                   f"{layers} layers; policy state {state_bytes / 2**20:.2f} MiB")  # fmt: skip
+        return PassResult(gm, True, summary)
+
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """The cache is `budget` slots; every layer's attention reads its queries through the
+        recording op; both eviction graphs are there and read the step's own buffers."""
+        if gm.k_cache.shape[3] != self.budget or gm.v_cache.shape[3] != self.budget:
+            raise GraphVerificationError(f"{self.name}: the cache has {gm.k_cache.shape[3]} slots, not {self.budget}")
+        for layer, attention in enumerate(query.attention_ops(gm.graph)):
+            q = attention.args[0]
+            if q.op != "call_function" or q.target is not ops.record_queries or q.args[1] != layer:
+                raise GraphVerificationError(f"{self.name}: layer {layer}'s attention does not record its queries")
+        for name in (ops.OBSERVE_MODULE, ops.EVICT_MODULE):
+            side = getattr(gm, name, None)
+            if side is None:
+                raise GraphVerificationError(f"{self.name}: the step lost its {name} graph")
+            for buffer, tensor in side.named_buffers():
+                if buffer != "protected" and getattr(gm, buffer, None) is not tensor:
+                    raise GraphVerificationError(f"{self.name}: {name}'s {buffer} is not the step's own buffer")

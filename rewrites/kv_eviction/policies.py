@@ -1,0 +1,148 @@
+"""The eviction policies: each a KVEviction pass (base.py) that says which slots it protects, how an
+accepted token's attention updates its scores, and how it ranks slots when the cache is full.
+
+| policy | keeps | ranks | paper |
+| --- | --- | --- | --- |
+| `SinksWindow` | the first `sinks` tokens and the most recent ones | by position only | StreamingLLM |
+| `H2O` | a recent window, then the heavy hitters | accumulated attention, per KV head | H2O |
+| `A2SF` | a recent window (none by default), then the best | attention accumulated with a forgetting factor, per KV head | A2SF |
+| `TOVA` | the best | the last token's attention, averaged over the layer's heads | TOVA |
+| `SnapKV` | the observation window, then the best | the window's attention, pooled over neighbours, per KV head | SnapKV |
+| `Keyformer` | a recent window, then the key tokens | accumulated Gumbel-softmax attention, per KV head | Keyformer |
+
+Defaults follow the papers where they state one (H2O: half heavy hitters, half recent; SnapKV:
+pooling kernel 5). Keyformer's temperature is held fixed (the paper ramps it over the generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpass.errors import InvalidParameterError
+from specpass.rewrites.kv_eviction.base import KVEviction, check_int
+from specpass.rewrites.kv_eviction.scores import decayed_sum, pooled
+
+
+def _recent(slots: int, count: int) -> torch.Tensor:
+    """[slots] bool: the last `count` slots."""
+    return torch.arange(slots) >= slots - count
+
+
+@dataclass(frozen=True)
+class SinksWindow(KVEviction):
+    """StreamingLLM: the first `sinks` tokens (attention sinks) and the most recent window
+    (budget - chunk - sinks tokens after an eviction). sinks=0 is the plain sliding window."""
+
+    sinks: int = 4
+
+    scored = False
+
+    def __post_init__(self):
+        check_int(self.name, "sinks", self.sinks, low=0)
+        super().__post_init__()
+        if self.sinks >= self.budget - self.chunk:
+            raise InvalidParameterError(
+                f"SinksWindow: {self.sinks} sinks leave no recent window in the {self.budget - self.chunk} slots kept"
+            )
+
+    def protected(self, slots: int) -> torch.Tensor:
+        return (torch.arange(slots) < self.sinks) | _recent(slots, self.kept - self.sinks)
+
+
+@dataclass(frozen=True)
+class H2O(KVEviction):
+    """Heavy hitters: a recent window of `recent` tokens (default half the kept tokens), the rest by
+    the attention they received, summed over every later token."""
+
+    recent: int | None = None
+
+    def __post_init__(self):
+        if self.recent is not None:
+            check_int(self.name, "recent", self.recent, low=0)
+        super().__post_init__()
+
+    @property
+    def recent_slots(self) -> int:
+        return self.kept // 2 if self.recent is None else self.recent
+
+    def protected(self, slots: int) -> torch.Tensor:
+        return _recent(slots, self.recent_slots)
+
+    def update(self, scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        return scores + attention.sum(2)
+
+
+@dataclass(frozen=True)
+class A2SF(H2O):
+    """Accumulated attention with a forgetting factor: after each token, scores <- decay * scores +
+    its attention, so old tokens' early attention fades. No recent window unless asked."""
+
+    recent: int | None = 0
+    decay: float = 0.95
+
+    def __post_init__(self):
+        if not isinstance(self.decay, float) or not 0.0 < self.decay <= 1.0:
+            raise InvalidParameterError(f"A2SF.decay must be a float in (0, 1], got {self.decay!r}")
+        super().__post_init__()
+
+    def update(self, scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        return decayed_sum(scores, attention, self.decay)
+
+
+@dataclass(frozen=True)
+class TOVA(KVEviction):
+    """Token omission via attention: keep the tokens the latest token attends to most, averaged over
+    the layer's heads (one choice per layer)."""
+
+    def update(self, scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        return attention[:, :, -1]  # the last accepted token's attention
+
+    def priority(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores.mean(2, keepdim=True).expand_as(scores)  # [L, B, KV, S]: the same for every head
+
+
+@dataclass(frozen=True)
+class SnapKV(KVEviction):
+    """SnapKV: the attention of an observation window of the last `window` tokens, pooled over
+    `kernel` neighbouring slots, chooses what is kept; the window itself is always kept. Applied at
+    every eviction (at the prompt's end that is SnapKV's prompt-time selection)."""
+
+    window: int = 16
+    kernel: int = 5
+
+    scored = False
+    window_queries = True
+
+    def __post_init__(self):
+        check_int(self.name, "window", self.window)
+        check_int(self.name, "kernel", self.kernel)
+        if self.kernel % 2 == 0:
+            raise InvalidParameterError(f"SnapKV.kernel must be odd (centred pooling), got {self.kernel}")
+        super().__post_init__()
+
+    def protected(self, slots: int) -> torch.Tensor:
+        return _recent(slots, self.window)
+
+    def pool(self, scores: torch.Tensor) -> torch.Tensor:
+        return pooled(scores, self.kernel)
+
+
+@dataclass(frozen=True)
+class Keyformer(H2O):
+    """Keyformer: a recent window, then the key tokens by accumulated Gumbel-softmax attention (the
+    logits plus Gumbel noise, at `temperature`)."""
+
+    temperature: float = 1.0
+
+    gumbel = True
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, float) or self.temperature <= 0:
+            raise InvalidParameterError(f"Keyformer.temperature must be a positive float, got {self.temperature!r}")
+        super().__post_init__()
+
+    @property
+    def temperature_value(self) -> float:
+        return self.temperature

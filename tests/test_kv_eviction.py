@@ -1,0 +1,273 @@
+"""KV eviction (rewrites.kv_eviction): the scoring math against brute force, the graphs the pass
+produces, its refusals, eviction = hiding the evicted tokens (positions stay original), the budget
+held at every step, nothing evicted = the full cache, and speculation adding no change of its own."""
+
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import specpass
+from specpass.backends import onednn
+from specpass.drafters.registry import drafter_by_name
+from specpass.errors import GraphVerificationError, InvalidParameterError, PassMismatchError, PassPipelineError
+from specpass.ir import capture
+from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
+from specpass.rewrites import A2SF, H2O, TOVA, EarlyExit, Keyformer, KVEviction, SinksWindow, SnapKV, TreeAttention
+from specpass.rewrites.kv_eviction import ops, scores
+
+POLICIES = (SinksWindow, H2O, A2SF, TOVA, SnapKV, Keyformer)
+
+
+def _policy(cls, budget, chunk):
+    return cls(budget, chunk, window=4) if cls is SnapKV else cls(budget, chunk)
+
+
+# ---- the tensor math against brute force -------------------------------------------------------
+
+
+def test_accepted_attention_is_each_tokens_softmax_over_the_slots_it_saw():
+    gen = torch.Generator().manual_seed(0)
+    b, kv, g, n, d, first = 1, 2, 3, 4, 8, 5
+    q, keys = torch.randn(b, kv * g, n, d, generator=gen), torch.randn(b, kv, first + n, d, generator=gen)
+    got = scores.accepted_attention(q, keys, first, scale=0.3)  # [B, KV, n, S]
+    for kv_head in range(kv):
+        for j in range(n):
+            seen = first + j + 1
+            want = torch.zeros(first + n)
+            for head in range(kv_head * g, (kv_head + 1) * g):  # the query heads reading this KV head
+                want[:seen] += torch.softmax(0.3 * keys[0, kv_head, :seen] @ q[0, head, j], dim=0) / g
+            torch.testing.assert_close(got[0, kv_head, j], want)
+
+
+def test_keep_slots_is_the_protected_slots_then_the_best_in_order():
+    gen = torch.Generator().manual_seed(1)
+    priority = torch.rand(3, 2, 20, generator=gen)
+    protected = torch.zeros(20, dtype=torch.bool)
+    protected[[0, 18, 19]] = True
+    got = scores.keep_slots(priority, 8, protected)
+    for row, kept in zip(priority.reshape(-1, 20), got.reshape(-1, 8)):
+        free = [s for s in range(20) if not protected[s]]
+        best = sorted(free, key=lambda s: -row[s])[:5]
+        assert kept.tolist() == sorted([0, 18, 19, *best])
+
+
+def test_decayed_sum_is_the_token_by_token_forgetting_rule():
+    gen = torch.Generator().manual_seed(2)
+    old, attention = torch.rand(1, 2, 9, generator=gen), torch.rand(1, 2, 4, 9, generator=gen)
+    want = old.clone()
+    for j in range(4):
+        want = 0.8 * want + attention[:, :, j]
+    torch.testing.assert_close(scores.decayed_sum(old, attention, 0.8), want)
+
+
+def test_pooling_averages_each_slots_neighbours():
+    row = torch.arange(7.0)[None, None]  # [1, 1, 7]
+    got = scores.pooled(row, 3)[0, 0]
+    want = [sum(row[0, 0, max(0, s - 1) : s + 2].tolist()) / len(range(max(0, s - 1), min(7, s + 2))) for s in range(7)]
+    torch.testing.assert_close(got, torch.tensor(want))
+
+
+def test_gumbel_noise_is_deterministic_and_gumbel_distributed():
+    positions = torch.arange(100, 164)
+    noise = scores.gumbel_noise(3, 4, positions, 256)
+    assert torch.equal(noise, scores.gumbel_noise(3, 4, positions, 256))
+    assert not torch.equal(noise, scores.gumbel_noise(4, 4, positions, 256))
+    assert abs(noise.mean().item() - 0.5772) < 0.02  # Euler-Mascheroni: the Gumbel(0, 1) mean
+    assert abs(noise.var().item() - torch.pi**2 / 6) < 0.05
+
+
+@pytest.mark.parametrize("policy", [SinksWindow(12, 4, sinks=2), H2O(12, 4, recent=3), TOVA(12, 4), A2SF(12, 4)])
+def test_the_evict_graph_keeps_the_brute_force_selection(policy):
+    gen = torch.Generator().manual_seed(3)
+    layers, kv, d = 2, 3, 4
+    buffers = {"k_cache": torch.randn(layers, 1, kv, 12, d, generator=gen),
+               "v_cache": torch.randn(layers, 1, kv, 12, d, generator=gen),
+               "kv_queries": torch.zeros(layers, 1, kv, 4, d),
+               "kv_scores": torch.rand(layers, 1, kv, 12, generator=gen)}  # fmt: skip
+    before = {name: t.clone() for name, t in buffers.items()}
+    ops.trace(ops.Evict(policy, buffers, (1.0, 1.0)))()
+    protected = policy.protected(12)
+    for layer in range(layers):
+        for head in range(kv):
+            rank = before["kv_scores"][layer, 0, head]
+            if isinstance(policy, TOVA):
+                rank = before["kv_scores"][layer, 0].mean(0)  # one choice for the layer's heads
+            if isinstance(policy, SinksWindow):
+                keep = [s for s in range(12) if protected[s]]
+            else:
+                free = sorted((s for s in range(12) if not protected[s]), key=lambda s: -rank[s])
+                keep = sorted([s for s in range(12) if protected[s]] + free[: policy.kept - int(protected.sum())])
+            assert len(keep) == policy.kept == 8
+            for name in ("k_cache", "v_cache"):
+                torch.testing.assert_close(buffers[name][layer, 0, head, :8], before[name][layer, 0, head, keep])
+            if policy.scored:
+                torch.testing.assert_close(buffers["kv_scores"][layer, 0, head, :8], before["kv_scores"][layer, 0, head, keep])
+                assert not buffers["kv_scores"][layer, 0, head, 8:].any()
+
+
+# ---- the pass: graph, refusals, verification ---------------------------------------------------
+
+
+def test_the_rewritten_step_records_queries_cuts_the_cache_and_carries_both_graphs():
+    model = tiny_model()
+    gm, report = specpass.Pipeline(TreeAttention(8), H2O(48, 8)).run(capture(model, cache_size=256))
+    assert gm.k_cache.shape[3] == gm.v_cache.shape[3] == 48  # memory falls: 48 slots, not 256
+    assert gm.kv_queries.shape == (2, 1, model.config.num_attention_heads, 8, gm.k_cache.shape[-1])
+    recorded = [n for n in gm.graph.nodes if n.target is ops.record_queries]
+    assert [n.args[1] for n in recorded] == [0, 1]
+    assert all(n.meta["specpass"].layer == i for i, n in enumerate(recorded))
+    assert getattr(gm, OBSERVE_MODULE).k_cache is gm.k_cache and getattr(gm, EVICT_MODULE).kv_scores is gm.kv_scores
+    assert "H2O: modified" in str(report) and "cache cut to 48 slots, 40 kept per eviction" in str(report)
+    window, _ = specpass.Pipeline(TreeAttention(8), SinksWindow(48, 8)).run(capture(model, cache_size=256))
+    assert not hasattr(window, "kv_scores")  # position-only: no scores kept
+
+
+def test_the_pass_refuses_where_it_must_not_apply():
+    model = tiny_model()
+    evicting, _ = specpass.Pipeline(TreeAttention(8), H2O(48, 8)).run(capture(model, cache_size=64))
+    source = evicting.graph.python_code("self").src
+    assert TOVA(48, 8).check(evicting) == "the step already evicts (H2O)"
+    assert evicting.graph.python_code("self").src == source and evicting.k_cache.shape[3] == 48  # unchanged
+    with pytest.raises(PassMismatchError, match=r"TOVA does not apply .*already evicts \(H2O\)"):
+        specpass.Pipeline(TreeAttention(8), H2O(48, 8), TOVA(48, 8)).run(capture(model, cache_size=64))
+    with pytest.raises(PassPipelineError, match="requires"):
+        specpass.Pipeline(H2O(48, 8)).run(capture(model, cache_size=64))  # no tree inputs to lay slots out
+    with pytest.raises(PassMismatchError, match="sliding-window layers"):
+        specpass.Pipeline(TreeAttention(4), H2O(48, 8)).run(capture(tiny_model("mistral"), cache_size=64))
+    with pytest.raises(PassMismatchError, match="soft-caps its attention logits"):
+        specpass.Pipeline(TreeAttention(4), H2O(48, 8)).run(capture(tiny_model("gemma2"), cache_size=64))
+    with pytest.raises(PassMismatchError, match="early-exit draft graph"):
+        specpass.Pipeline(TreeAttention(8), EarlyExit(1), H2O(48, 8)).run(capture(model, cache_size=64))
+    for bad, message in [(lambda: H2O(0), "budget must be an int >= 2"), (lambda: H2O(-5), "budget must be"),
+                         (lambda: H2O(16, 16), "chunk .16. must be below the budget"),
+                         (lambda: SinksWindow(16, 8, sinks=8), "leave no recent window"),
+                         (lambda: H2O(16, 8, recent=9), "9 protected slots do not fit the 8 slots kept"),
+                         (lambda: SnapKV(16, 8, kernel=4), "must be odd"),
+                         (lambda: A2SF(16, 8, decay=1.5), "decay must be a float in"),
+                         (lambda: Keyformer(16, 8, temperature=0.0), "positive float")]:  # fmt: skip
+        with pytest.raises(InvalidParameterError, match=message):
+            bad()
+
+
+def test_verification_catches_a_layer_that_stops_recording_its_queries():
+    gm, _ = specpass.Pipeline(TreeAttention(8), H2O(48, 8)).run(capture(tiny_model(), cache_size=64))
+    H2O(48, 8).verify(gm)
+    recorded = next(n for n in gm.graph.nodes if n.target is ops.record_queries and n.args[1] == 1)
+    recorded.replace_all_uses_with(recorded.args[2])
+    with pytest.raises(GraphVerificationError, match="layer 1's attention does not record its queries"):
+        H2O(48, 8).verify(gm)
+    with pytest.raises(GraphVerificationError, match="the cache has 48 slots, not 64"):
+        H2O(64, 8).verify(gm)
+
+
+def test_the_pipeline_says_the_output_changes_and_round_trips():
+    pipeline = specpass.Pipeline(TreeAttention(16), Keyformer(512, 32, recent=100, temperature=2.0))
+    assert "output changes: KV eviction" in str(pipeline)
+    assert specpass.Pipeline.from_json(pipeline.to_json()) == pipeline
+    assert all(issubclass(cls, KVEviction) and cls.changes_output for cls in POLICIES)
+
+
+# ---- decoding: the model each policy defines ---------------------------------------------------
+
+
+def _generate(model, ids, policy, budget, new=60, drafter="prompt-lookup", lowering="auto"):
+    passes = (TreeAttention(16),) + ((policy,) if policy is not None else ())
+    options = {"pipeline": specpass.Pipeline(*passes), "budget": budget, "drafter": drafter_by_name(drafter),
+               "lowering": lowering}  # fmt: skip
+    generation = specpass.generate(model, ids, max_new_tokens=new, options=options, eos_token_id=[])
+    return generation.sequences[0, ids.shape[1] :].tolist(), generation.stats
+
+
+@torch.no_grad()
+def test_sinks_and_window_equal_hf_with_the_evicted_tokens_masked():
+    """Evicting = hiding the token: the model's own forward over the whole sequence, each token seeing
+    only what the policy kept when it was processed, gives the same greedy tokens (and so the rotary
+    positions of kept keys and of new tokens are the original ones)."""
+    model = tiny_model()
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    policy = SinksWindow(24, 8, sinks=3)
+    out, _ = _generate(model, ids, policy, budget=8)
+    sequence = ids[0].tolist() + out
+    cached, mask = [], torch.zeros(1, 1, len(sequence), len(sequence), dtype=torch.bool)
+    for t in range(len(sequence)):
+        mask[0, 0, t, cached + [t]] = True
+        cached.append(t)
+        if len(cached) == policy.budget:
+            cached = cached[: policy.sinks] + cached[-(policy.kept - policy.sinks) :]
+    logits = model(torch.tensor([sequence]), attention_mask=mask).logits[0]  # [N, V]
+    assert logits[ids.shape[1] - 1 : -1].argmax(-1).tolist() == out
+    unmasked = model(torch.tensor([sequence])).logits[0].argmax(-1)
+    assert unmasked[ids.shape[1] - 1 : -1].tolist() != out  # the eviction did change the output
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("policy", [H2O(64, 8), A2SF(64, 8, decay=0.9), TOVA(64, 8)])
+def test_scores_before_any_eviction_are_hf_attention_summed_as_the_policy_says(policy):
+    model = tiny_model()
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(6))
+    program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(TreeAttention(8), policy), "budget": 4})
+    out = specpass.generate(program, ids, max_new_tokens=20, eos_token_id=[]).sequences
+    n = out.shape[1] - 1  # the last token is emitted, not yet committed
+    attentions = model(out[:, :n], output_attentions=True, attn_implementation="eager").attentions
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, probs in enumerate(attentions):  # [1, H, n, n]
+        per_kv = probs[0].view(-1, groups, n, n).mean(1)  # [KV, n queries, n keys]
+        if isinstance(policy, TOVA):
+            want = per_kv[:, -1]
+        elif isinstance(policy, A2SF):
+            want = (per_kv * policy.decay ** torch.arange(n - 1, -1, -1.0)[None, :, None]).sum(1)
+        else:
+            want = per_kv.sum(1)
+        torch.testing.assert_close(program.step.graph_module.kv_scores[layer, 0, :, :n], want, atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_every_policy_with_a_budget_past_the_sequence_is_the_full_cache_model():
+    model = tiny_model()
+    ids = torch.randint(3, 96, (1, 25), generator=torch.Generator().manual_seed(7))
+    full = model.generate(ids, max_new_tokens=50, do_sample=False)[0, 25:].tolist()
+    for cls in POLICIES:
+        out, _ = _generate(model, ids, _policy(cls, 80, 16), budget="cost", new=50)
+        assert out == full, cls.__name__
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cls", POLICIES)
+def test_speculation_adds_no_change_and_the_cache_stays_within_its_budget(cls):
+    """A long prompt fed in pieces, trees of up to `chunk` nodes, evictions every `chunk` tokens: the
+    same tokens as the same policy decoding one token a step, which differ from the full cache's."""
+    model = tiny_model()
+    policy = _policy(cls, 32, 8)
+    ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(8))
+    ids = torch.cat([ids, ids[:, 5:25]], dim=1)  # a repeat for prompt lookup to find
+    one, _ = _generate(model, ids, policy, budget=1, new=50)
+    occupancy = []
+    program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(TreeAttention(16), policy),
+                                               "drafter": drafter_by_name("combined")})  # fmt: skip
+    commit = program.commit
+    program.commit = lambda layout, path: occupancy.append((layout.kv_len, commit(layout, path))) or occupancy[-1][1]
+    spec = specpass.generate(program, ids, max_new_tokens=50, eos_token_id=[])
+    assert spec.sequences[0, ids.shape[1] :].tolist() == one
+    assert spec.stats.tau > 1.0  # speculation did accept drafts
+    assert max(kv_len for kv_len, _ in occupancy) <= policy.budget  # no step ever needed a slot past the budget
+    evictions = sum(cached == policy.kept for _, cached in occupancy)
+    assert evictions >= (ids.shape[1] + 49 - policy.budget) // policy.chunk + 1  # every chunk tokens past the budget
+    assert program.step.graph_module.k_cache.shape[3] == policy.budget
+    full = model.generate(ids, max_new_tokens=50, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert one != full
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lowering", ["eager", "onednn", "inductor"])
+def test_every_cpu_lowering_runs_the_eviction_ops(lowering):
+    if lowering == "inductor" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        pytest.skip("TorchInductor's CPU code generation needs a C++ compiler")
+    if lowering == "onednn" and not onednn.available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    model = tiny_model()
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(9))
+    want, _ = _generate(model, ids, H2O(32, 8), budget=1, new=30, lowering="eager")
+    got, _ = _generate(model, ids, H2O(32, 8), budget=4, new=30, lowering=lowering)
+    assert got == want
