@@ -24,6 +24,7 @@ class GenerationStats:
     finish_reason: str  # "eos", "stop" (a stop criterion, e.g. a stop string), "length" or "cache_full"
     steps: tuple[int, ...] = ()  # tokens emitted by each decode step (the prefill's token excluded)
     mean_tree_size: float = 1.0
+    prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward(s), up to the first token
 
     @property
     def accepted_histogram(self) -> dict[int, int]:
@@ -38,6 +39,12 @@ class GenerationStats:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, per second after the prefill."""
+        decode = self.seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / decode if decode > 0 else float("inf")
 
     def __str__(self) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.accepted_histogram.items()))
@@ -102,13 +109,16 @@ class CacheCursor:
         self.seen += len(path)
 
 
-def feed(program: DecodeProgram, tokens: torch.Tensor, cursor: CacheCursor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def feed(program: DecodeProgram, tokens: torch.Tensor, cursor: CacheCursor, piece: int | None = None
+         ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Run tokens [P] (on the host) as a chain and commit them: in one forward, or in pieces that fit
-    an evicting cache (the same cache as one token at a time: rewrites.kv_eviction). Yields each
-    piece's logits [n, V] and hidden [n, H]."""
+    an evicting cache (the same cache as one token at a time: rewrites.kv_eviction), or of at most
+    `piece` tokens. Yields each piece's logits [n, V] and hidden [n, H]."""
+    if cursor.seen == 0:
+        program.new_sequence()
     start = 0
     while start < tokens.shape[0]:
-        n = tokens.shape[0] - start
+        n = min(tokens.shape[0] - start, piece or tokens.shape[0])
         if program.evicts:
             n = min(n, program.room(cursor.cached))
         layout = cursor.layout(torch.ones(n, n, dtype=torch.bool).tril())
@@ -169,6 +179,7 @@ def generate(
         choices[-1] = choice(logits[-1:], tokens)[0]
     prefill = TargetForward(topk, hidden, choices)
     tokens.append(int(choices[-1]))
+    prefill_seconds = time.perf_counter() - started
     sizes = []
     steps: list[int] = []
     sessions = program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft)
@@ -221,6 +232,7 @@ def generate(
         finish_reason=finish,
         steps=tuple(steps),
         mean_tree_size=sum(sizes) / len(sizes) if sizes else 1.0,
+        prefill_seconds=prefill_seconds,
     )
     return Generation(torch.tensor([tokens], dtype=torch.long, device=input_ids.device), stats)
 

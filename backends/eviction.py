@@ -25,6 +25,12 @@ class Eviction:
     def of(cls, gm: torch.fx.GraphModule) -> Eviction | None:
         return cls(gm) if EVICTION_META in gm.meta else None
 
+    def reset(self) -> None:
+        """Zero the policy's state (scores, window queries): a new sequence starts."""
+        for name, buffer in self.evict.named_buffers():
+            if name.startswith("kv_"):
+                buffer.zero_()
+
     def after_commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
         """Score the accepted `path` (already compacted into slots layout.committed, ...), evict when
         the cache is full; returns how many slots hold committed tokens now."""

@@ -105,6 +105,9 @@ class DecodeProgram(ABC):
         room = self.cache_size - cached
         return room if self.max_step is None else min(room, self.max_step)
 
+    def new_sequence(self) -> None:
+        """Called before a sequence's first forward: drop per-sequence cache state (eviction scores)."""
+
     def forget(self) -> None:
         """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
         self.drafter_memory = self.drafter.new_memory()
@@ -179,6 +182,10 @@ class SpeculativeProgram(DecodeProgram):
             with run.pinned(kind):
                 curves[kind] = super().measure_cost(measured, kv_len)
         return run.choose(curves).subset(sizes)
+
+    def new_sequence(self) -> None:
+        if self.eviction is not None:
+            self.eviction.reset()
 
     def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
         if self.tensor_parallel:

@@ -44,6 +44,7 @@ from specpass.ir.draft import draft_graph
 from specpass.ir.query import residual_adds
 from specpass.ir.roles import META_KEY, NodeInfo, info
 from specpass.passes.base import Pass, PassResult
+from specpass.rewrites.kv_eviction import EVICTION_META
 from specpass.rewrites.ladder_residual import laddered_layers
 
 TENSOR_PARALLEL = "tensor_parallel"
@@ -82,6 +83,8 @@ class TensorParallel(Pass):
             return "the step is already sharded"
         if draft_graph(gm) is not None:
             return "a step with a draft graph (draft heads, early exit) is not sharded: its side graph would stay whole"
+        if EVICTION_META in gm.meta:
+            return "a step with KV eviction is not sharded: its eviction graphs read the whole cache"
         arch = arch_of(gm)
         sizes = {"attention heads": arch.num_heads, "KV heads": arch.num_kv_heads, "vocabulary": arch.vocab_size}
         sizes |= {"MLP width": _module(gm, n).out_features for n in _linears(gm, ("gate_proj",))[:1]}

@@ -111,3 +111,19 @@ def test_trainer_on_cuda_lowers_the_loss_and_saves_heads_the_cpu_loads(tmp_path)
         expected = heads.cpu()(h, model.model.embed_tokens(tokens))
         got = loaded(h, model.model.embed_tokens(tokens))
     torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)  # float16 on disk
+
+
+@torch.no_grad()
+def test_kv_eviction_with_cuda_graphs_equals_one_token_steps():
+    """The eviction ops inside replayed graphs (queries recorded in the step) and the eviction graphs
+    after each commit: speculative greedy equals the same policy one token a step, budget held."""
+    model = tiny_model("llama").cuda()
+    policy = specpass.rewrites.H2O(48, 12)  # chunk 12: queries stored for replays padded to 16
+    pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(16), policy)
+    ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(1)).cuda()
+    one = specpass.generate(model, ids, 40, eos_token_id=[], options={"pipeline": pipeline, "budget": 1,
+                                                                       "lowering": "eager"})  # fmt: skip
+    program = specpass.compile_program(model, {"pipeline": pipeline, "lowering": "cudagraphs"})
+    spec = specpass.generate(program, ids, 40, eos_token_id=[])
+    assert torch.equal(spec.sequences, one.sequences)
+    assert program.step.graph_module.k_cache.shape[3] == 48

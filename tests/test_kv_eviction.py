@@ -103,7 +103,8 @@ def test_the_evict_graph_keeps_the_brute_force_selection(policy):
             for name in ("k_cache", "v_cache"):
                 torch.testing.assert_close(buffers[name][layer, 0, head, :8], before[name][layer, 0, head, keep])
             if policy.scored:
-                torch.testing.assert_close(buffers["kv_scores"][layer, 0, head, :8], before["kv_scores"][layer, 0, head, keep])
+                kept_scores = before["kv_scores"][layer, 0, head, keep]
+                torch.testing.assert_close(buffers["kv_scores"][layer, 0, head, :8], kept_scores)
                 assert not buffers["kv_scores"][layer, 0, head, 8:].any()
 
 
@@ -271,3 +272,24 @@ def test_every_cpu_lowering_runs_the_eviction_ops(lowering):
     want, _ = _generate(model, ids, H2O(32, 8), budget=1, new=30, lowering="eager")
     got, _ = _generate(model, ids, H2O(32, 8), budget=4, new=30, lowering=lowering)
     assert got == want
+
+
+@torch.no_grad()
+def test_a_program_reused_for_another_prompt_starts_from_fresh_scores():
+    model = tiny_model()
+    options = {"pipeline": specpass.Pipeline(TreeAttention(8), H2O(32, 8)), "budget": 4}
+    first, second = (torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(s)) for s in (10, 11))
+    program = specpass.compile_program(model, options)
+    specpass.generate(program, first, max_new_tokens=30, eos_token_id=[])
+    reused = specpass.generate(program, second, max_new_tokens=30, eos_token_id=[]).sequences
+    fresh = specpass.generate(specpass.compile_program(tiny_model(), options), second, 30, eos_token_id=[]).sequences
+    assert torch.equal(reused, fresh)
+
+
+def test_eval_kv_refuses_unknown_policies_and_budgets_before_loading_anything(capsys):
+    from specpass.cli import main
+
+    assert main(["eval-kv", "--policies", "tova", "lru"]) == 2
+    assert "unknown policies ['lru']" in capsys.readouterr().err
+    assert main(["eval-kv", "--budgets", "0.25", "1.5"]) == 2
+    assert "budgets are fractions of the length, in (0, 1)" in capsys.readouterr().err

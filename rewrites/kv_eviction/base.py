@@ -64,7 +64,7 @@ class KVEviction(Pass):
 
     requires = frozenset({CAPTURED, TREE_ATTENTION})
     ensures = frozenset({KV_EVICTION})
-    changes_output = "KV eviction: attention sees only the tokens the policy keeps within its budget"
+    changes_output = "KV eviction: output may differ from the full-cache model's (attention sees only the kept tokens)"
 
     scored: ClassVar[bool] = True  # keeps per-slot scores updated by every accepted token
     window_queries: ClassVar[bool] = False  # keeps the queries of the last `window` tokens (SnapKV)
@@ -113,7 +113,8 @@ class KVEviction(Pass):
             return "the model soft-caps its attention logits: the eviction scores would need the cap"
         arch = arch_of(gm)
         if arch.smallest_window is not None:
-            return f"the model has sliding-window layers (window {arch.smallest_window}): eviction would need the window's own rule"
+            window = arch.smallest_window
+            return f"the model has sliding-window layers (window {window}): eviction would need the window's own rule"
         if resume_graph(gm) is not None:
             return "the step has an early-exit draft graph, which records queries one token at a time"
         if any(n.op == "call_function" and "all_reduce" in str(n.target) for n in gm.graph.nodes):
@@ -129,7 +130,8 @@ class KVEviction(Pass):
             buffers[name] = torch.zeros(layers, batch, kv, self.budget, dim, device=device, dtype=dtype)
         if self.scored:
             buffers[ops.SCORES] = torch.zeros(layers, batch, kv, self.budget, device=device)
-        buffers[ops.QUERIES] = torch.zeros(layers, batch, arch.num_heads, self.chunk, dim, device=device, dtype=dtype)
+        rows = 1 << (self.chunk - 1).bit_length()  # a graph-replay lowering pads a step to a power of two
+        buffers[ops.QUERIES] = torch.zeros(layers, batch, arch.num_heads, rows, dim, device=device, dtype=dtype)
         if self.window_queries:
             buffers[ops.WINDOW_QUERIES] = torch.zeros(layers, batch, arch.num_heads, self.window, dim,
                                                       device=device, dtype=dtype)  # fmt: skip

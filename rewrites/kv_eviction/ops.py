@@ -3,7 +3,8 @@ accepted tokens, `kv_evict` keeps the budget. Both are plain torch modules trace
 (`trace`), sharing the step's cache buffers and the policy's state buffers:
 
     k_cache, v_cache   [L, B, KV, budget, D]    the step's cache, cut to `budget` slots
-    kv_queries         [L, B, H, chunk, D]      queries of the step's tokens (written by the verify step)
+    kv_queries         [L, B, H, R, D]          queries of the step's tokens (written by the verify step;
+                                                R = chunk rounded up to a power of two, for padded replays)
     kv_scores          [L, B, KV, budget]       float32 per-slot scores (score-based policies)
     kv_window_queries  [L, B, H, window, D]     queries of the last `window` committed tokens (SnapKV)
 
@@ -35,7 +36,7 @@ WINDOW_QUERIES = "kv_window_queries"
 
 def record_queries(store: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
     """Inserted before each layer's attention by the pass: keep the step's queries for `kv_observe`.
-    store [L, B, H, chunk, D], q [B, H, T, D] (T <= chunk); returns q, so the op is never dead code."""
+    store [L, B, H, R, D], q [B, H, T, D] (T <= R); returns q, so the op is never dead code."""
     store[layer, :, :, : q.shape[2]].copy_(q)
     return q
 

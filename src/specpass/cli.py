@@ -1,8 +1,10 @@
-"""The `specpass` command: `generate` (speculative vs plain greedy on one prompt), `export`, `train-heads`, `bench`."""
+"""The `specpass` command: `generate` (speculative vs plain greedy on one prompt), `export`, `train-heads`, `bench`,
+`eval-kv`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -241,6 +243,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_kv(args: argparse.Namespace) -> int:
+    import torch
+
+    from specpass import bench, eval_kv
+    from specpass.errors import InvalidParameterError
+    from specpass.models import load_default_model
+
+    protocol = eval_kv.Protocol()
+    chosen = {name: value for name, value in (
+        ("lengths", args.lengths), ("budgets", args.budgets), ("policies", args.policies),
+        ("passkey_lengths", args.passkey_lengths if args.passkey_lengths is not None else args.lengths),
+        ("passkey_budgets", args.passkey_budgets if args.passkey_budgets is not None else args.budgets),
+        ("speculation_policies", args.speculation_policies)) if value is not None}  # fmt: skip
+    named = set(chosen.get("policies", ())) | set(chosen.get("speculation_policies", ()))
+    unknown = sorted(named - set(eval_kv.POLICIES))
+    if unknown:
+        raise InvalidParameterError(f"unknown policies {unknown}; choose from {', '.join(eval_kv.POLICIES)}")
+    if any(not 0.0 < b < 1.0 for b in [*chosen.get("budgets", ()), *chosen.get("passkey_budgets", ())]):
+        raise InvalidParameterError("budgets are fractions of the length, in (0, 1)")
+    if args.speculation_prompts < 0:
+        raise InvalidParameterError("--speculation-prompts must be >= 0")
+    chosen = {k: tuple(v) for k, v in chosen.items()}
+    protocol = dataclasses.replace(protocol, **chosen, passkey_seeds=args.passkey_seeds, passkey_depths=args.passkey_depths,
+                                   speculation_prompts=args.speculation_prompts)  # fmt: skip
+    model, tokenizer = load_default_model()
+    identity = bench.run_identity(torch.device("cpu"))
+    save = lambda partial: bench.write_report(identity | partial, args.out, prefix="kv-eviction-")  # noqa: E731
+    report = identity | eval_kv.run(model, tokenizer, protocol, save=save)
+    path = save(report)
+    eval_kv.plot(report, path.removesuffix(".json") + ".png")
+    print(eval_kv.tables(report))
+    print(f"wrote {path} and its .png")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="specpass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -296,6 +333,21 @@ def main(argv: list[str] | None = None) -> int:
         "--no-compile-baseline", action="store_true", help="skip HF static cache + torch.compile (compiles ~2 min)"
     )
     bench.set_defaults(run=cmd_bench)
+    kv = sub.add_parser("eval-kv", help="quality and memory of each KV-eviction policy and budget (long inputs)")
+    kv.add_argument("--lengths", type=_positive_int, nargs="*",
+                    help="input lengths in tokens for perplexity and agreement (default 2048 4096 8192; none: skip)")
+    kv.add_argument("--budgets", type=float, nargs="+", help="cache budgets, fractions of the length (0.1 0.25 0.5)")
+    kv.add_argument("--policies", nargs="+", help="(default: window sinks-window h2o a2sf tova snapkv keyformer)")
+    kv.add_argument("--passkey-lengths", type=_positive_int, nargs="*", help="(default: --lengths)")
+    kv.add_argument("--passkey-budgets", type=float, nargs="*", help="(default: --budgets)")
+    kv.add_argument("--passkey-seeds", type=_positive_int, default=20)
+    kv.add_argument("--passkey-depths", type=_positive_int, default=5)
+    kv.add_argument("--speculation-prompts", type=int, default=20,
+                    help="prompts for speculative = one-token-a-step decoding under eviction (at 4096 tokens, "
+                         "budget 0.25; 0: skip)")
+    kv.add_argument("--speculation-policies", nargs="*", default=["tova"])
+    kv.add_argument("--out", default="benchmarks/results")
+    kv.set_defaults(run=cmd_eval_kv)
     args = parser.parse_args(argv)
     from specpass.errors import SpecpassError
 
