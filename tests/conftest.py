@@ -1,7 +1,19 @@
+import shutil
+
 import pytest
 import torch
 
+from specpass.backends import onednn
 from specpass.tiny_models import TINY_ARCHS, TINY_CONFIGS, WINDOW, tiny_model  # noqa: F401 (tests import them here)
+
+needs_onednn = pytest.mark.skipif(
+    not onednn.available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
+)
+
+needs_cxx = pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+    reason="TorchInductor's CPU code generation needs a C++ compiler",
+)
 
 
 def peaked_tiny_model():

@@ -2,14 +2,11 @@
 produces, its refusals, eviction = hiding the evicted tokens (positions stay original), the budget
 held at every step, nothing evicted = the full cache, and speculation adding no change of its own."""
 
-import shutil
-
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import needs_cxx, needs_onednn, tiny_model
 
 import specpass
-from specpass.backends import onednn
 from specpass.drafters.registry import drafter_by_name
 from specpass.errors import GraphVerificationError, InvalidParameterError, PassMismatchError, PassPipelineError
 from specpass.ir import capture
@@ -261,12 +258,9 @@ def test_speculation_adds_no_change_and_the_cache_stays_within_its_budget(cls):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("lowering", ["eager", "onednn", "inductor"])
+@pytest.mark.parametrize("lowering", ["eager", pytest.param("onednn", marks=needs_onednn),
+                                      pytest.param("inductor", marks=needs_cxx)])  # fmt: skip
 def test_every_cpu_lowering_runs_the_eviction_ops(lowering):
-    if lowering == "inductor" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
-        pytest.skip("TorchInductor's CPU code generation needs a C++ compiler")
-    if lowering == "onednn" and not onednn.available(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch build has no oneDNN")
     model = tiny_model()
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(9))
     want, _ = _generate(model, ids, H2O(32, 8), budget=1, new=30, lowering="eager")

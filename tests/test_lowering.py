@@ -1,10 +1,8 @@
 """CPU lowerings: the oneDNN lowering computes the eager step's function on packed weights."""
 
-import shutil
-
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import needs_cxx, needs_onednn, tiny_model
 from torch import nn
 
 import specpass
@@ -16,9 +14,6 @@ from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import DraftTree
 from specpass.ir import SlotLayout, capture, info
 
-needs_onednn = pytest.mark.skipif(
-    not onednn.available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
-)
 
 
 def _tree_step(arch: str):
@@ -113,10 +108,6 @@ def test_program_measures_both_cpu_lowerings_and_keeps_the_envelope():
     assert torch.equal(out, reference)
 
 
-needs_cxx = pytest.mark.skipif(
-    not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
-    reason="TorchInductor's CPU code generation needs a C++ compiler",
-)
 
 
 @needs_cxx

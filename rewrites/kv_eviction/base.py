@@ -86,10 +86,6 @@ class KVEviction(Pass):
         """Tokens left in every layer's cache after an eviction."""
         return self.budget - self.chunk
 
-    @property
-    def temperature_value(self) -> float:
-        return 1.0
-
     def protected_count(self) -> int:
         """How many slots the policy always keeps (sinks, a recent window)."""
         return int(self.protected(self.budget).sum())

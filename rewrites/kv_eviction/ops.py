@@ -61,11 +61,11 @@ class Observe(nn.Module):
                 window.copy_(torch.cat((window, q), dim=2)[:, :, -window.shape[2] :])
             if not self.policy.scored:
                 continue
-            noise = None
-            if self.policy.gumbel:
-                noise = gumbel_noise(layer, q.shape[1], positions, seen)  # [1, H, n, S]
-            attention = accepted_attention(q, self.k_cache[layer, :, :, :seen], first_slot, scale, noise,
-                                           self.policy.temperature_value)  # fmt: skip
+            noise, temperature = None, 1.0
+            if self.policy.gumbel:  # Keyformer
+                noise, temperature = gumbel_noise(layer, q.shape[1], positions, seen), self.policy.temperature  # [1, H, n, S]
+            keys = self.k_cache[layer, :, :, :seen]  # [B, KV, S, D]
+            attention = accepted_attention(q, keys, first_slot, scale, noise, temperature)  # [B, KV, n, S]
             scores = self.kv_scores[layer, :, :, :seen]  # [B, KV, S]
             scores.copy_(self.policy.update(scores, attention))
         return rows

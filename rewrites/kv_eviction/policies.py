@@ -142,7 +142,3 @@ class Keyformer(H2O):
         if not isinstance(self.temperature, float) or self.temperature <= 0:
             raise InvalidParameterError(f"Keyformer.temperature must be a positive float, got {self.temperature!r}")
         super().__post_init__()
-
-    @property
-    def temperature_value(self) -> float:
-        return self.temperature
