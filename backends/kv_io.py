@@ -13,11 +13,15 @@ which an ONNX graph cannot express without aliasing. This lowering rewrites a co
              hidden      [B, T, H]         final normed hidden states
              new_keys    [L, B, KV, T, D]  the T tokens' keys (after rotary), for the runtime to commit
              new_values  [L, B, KV, T, D]
+             queries     [L, B, H, T, D]   a KV-eviction step only: the T tokens' queries (after rotary),
+                                           for the eviction graphs to score the accepted ones
              ...                           any further outputs of the step (draft outputs), unchanged
 
 Rewrite. In every layer the cache write and the read of slots [0, kv_len) become
 `cat(past[layer], new, dim=2)`; the step's attention mask becomes the slot layout's functional
-encoding, `ir.layout.past_and_tree_visibility(past_mask, tree_mask)`.
+encoding, `ir.layout.past_and_tree_visibility(past_mask, tree_mask)`. In a KV-eviction step each layer's
+`record_queries` op (a write into the step's query store) becomes the queries' output; the policy's
+state and graphs leave the step (`backends.onnx_eviction` exports them beside it).
 Everything else in the graph is untouched, so the logits of token t equal the cached step's logits
 when the cached step sees the same slots (tested). The runtime commits an accepted path by copying
 `new_keys[..., path, :]` into its cache: compaction without recompute, as in the PyTorch lowering.
@@ -31,10 +35,27 @@ import torch.fx
 from specpass.errors import PassMismatchError
 from specpass.ir import copy_step, info, query
 from specpass.ir.layout import past_and_tree_visibility
+from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
 from specpass.ir.roles import Role, annotate, placeholder
+from specpass.rewrites.kv_eviction import ops as eviction_ops
 
 INPUTS = ("input_ids", "positions", "past_keys", "past_values", "past_mask", "tree_mask")
 KV_OUTPUTS = ("new_keys", "new_values")
+QUERIES_OUTPUT = "queries"  # a KV-eviction step's further output
+
+
+def _recorded_queries(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Each layer's recorded queries [B, H, T, D], in layer order, with the recording ops removed."""
+    queries = []
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is eviction_ops.record_queries:
+            _, layer, q = node.args
+            if layer != len(queries):
+                raise PassMismatchError(f"queries recorded for layer {layer} after {len(queries)} layers")
+            node.replace_all_uses_with(q)
+            graph.erase_node(node)
+            queries.append(q)
+    return queries
 
 
 def _cache_reads(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
@@ -85,12 +106,15 @@ def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         graph.erase_node(write)
         new_kv[source].append(new)
 
+    queries = _recorded_queries(graph)
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
         stacked = [
             annotate(graph.call_function(torch.stack, (tuple(new_kv[source]),)), Role.CACHE_WRITE)
             for source in ("past_keys", "past_values")
         ]
+        if queries:
+            stacked.append(annotate(graph.call_function(torch.stack, (tuple(queries),)), Role.EVICTION))
     logits, hidden, *extra = output.args[0]
     output.args = ((logits, hidden, *stacked, *extra),)
     graph.eliminate_dead_code()
@@ -100,8 +124,9 @@ def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for name in INPUTS:  # the signature, in the documented order
         first.prepend(placeholder(graph, name))
-    for name in ("k_cache", "v_cache"):  # the functional step owns no cache
-        delattr(lowered, name)
+    for name in ("k_cache", "v_cache", eviction_ops.QUERIES, OBSERVE_MODULE, EVICT_MODULE):
+        if hasattr(lowered, name):  # the functional step owns no cache, no eviction state
+            delattr(lowered, name)
     graph.lint()
     lowered.recompile()
     order = [n.target for n in graph.nodes if n.op == "placeholder"]

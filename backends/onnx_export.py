@@ -9,7 +9,8 @@ outputs), with dynamic tree size T and cache length S as symbolic dimensions. Th
 exporter would re-trace through Python and is deprecated.
 
 Output directory: model.onnx (+ model.onnx.data when the weights are stored externally),
-draft.onnx when the pipeline adds draft heads (`backends.onnx_draft`), pipeline.json, manifest.json
+draft.onnx when the pipeline adds draft heads (`backends.onnx_draft`), observe.onnx and evict.onnx
+when it evicts the KV cache (`backends.onnx_eviction`), pipeline.json, manifest.json
 (inputs, outputs, shapes, meaning, the check's result) and the tokenizer's files when a tokenizer
 is given.
 """
@@ -29,12 +30,16 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, kv_as_io
+from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
 from specpass.backends.onnx_draft import export_draft
+from specpass.backends.onnx_eviction import export_eviction
 from specpass.backends.ort import MANIFEST_VERSION, TOLERANCE, ort_session
 from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, capture, draft_graph, draft_spec
 from specpass.passes import Pipeline
+from specpass.rewrites.kv_eviction import EVICTION_META, KVEviction
+from specpass.rewrites.kv_eviction.base import attention_scales
+
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
 EXPORTABLE_PASSES = ("TreeAttention", "DraftHeads", "LadderResidual")  # the ladder rewires streams, not KV
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -50,6 +55,7 @@ MEANING = {
     "hidden": "final normed hidden state of each of the T tokens",
     "new_keys": "keys of the T tokens; commit an accepted path with new_keys[..., path, :]",
     "new_values": "values of the T tokens",
+    "queries": "queries of the T tokens (KV eviction: observe.onnx scores the accepted ones)",
 }
 
 
@@ -63,10 +69,11 @@ class ExportResult:
 
 def check_exportable(pipeline: Pipeline) -> None:
     for p in pipeline:
-        if p.name not in EXPORTABLE_PASSES:
+        if p.name not in EXPORTABLE_PASSES and not isinstance(p, KVEviction):
             raise ExportError(
-                f"the ONNX exporter cannot express pass {p.name}: only {', '.join(EXPORTABLE_PASSES)} are mapped to "
-                "the exported step's inputs and outputs (KV as inputs/outputs, tree and past masks)"
+                f"the ONNX exporter cannot express pass {p.name}: only {', '.join(EXPORTABLE_PASSES)} and the "
+                "KV-eviction policies are mapped to the exported step's inputs and outputs (KV as inputs/outputs, "
+                "tree and past masks)"
             )
 
 
@@ -77,6 +84,7 @@ def _shapes(arch: ArchSpec, batch: int, t: int, s: int) -> dict[str, tuple]:
         "past_values": (*kv, s, arch.head_dim), "past_mask": (batch, t, s), "tree_mask": (batch, t, t),
         "logits": (batch, t, arch.vocab_size), "hidden": (batch, t, arch.hidden_size),
         "new_keys": (*kv, t, arch.head_dim), "new_values": (*kv, t, arch.head_dim),
+        "queries": (arch.num_layers, batch, arch.num_heads, t, arch.head_dim),
     }  # fmt: skip
 
 
@@ -95,11 +103,16 @@ def _sample(arch: ArchSpec, dtype: torch.dtype, t: int, s: int, tokens: list[int
     }
 
 
-def functional_step(model: nn.Module, pipeline: Pipeline) -> torch.fx.GraphModule:
-    """The exported function: capture, run the pipeline (verified after each pass), KV as inputs/outputs."""
+def rewritten_step(model: nn.Module, pipeline: Pipeline) -> torch.fx.GraphModule:
+    """Capture and run the pipeline (verified after each pass); `kv_as_io` makes it the exported function."""
     check_exportable(pipeline)
     rewritten, _ = pipeline.run(capture(model, cache_size=2))  # the functional step owns no cache
-    return kv_as_io(rewritten)
+    return rewritten
+
+
+def output_names(step: torch.fx.GraphModule) -> list[str]:
+    """The exported step's outputs: logits, hidden, new K/V, and the queries when it evicts."""
+    return ["logits", "hidden", *KV_OUTPUTS, *([QUERIES_OUTPUT] if EVICTION_META in step.meta else [])]
 
 
 def export(
@@ -129,7 +142,8 @@ def export(
         bar.set_postfix_str(name)
 
     stage(stages[0])
-    step = functional_step(model, pipeline)
+    rewritten = rewritten_step(model, pipeline)
+    step = kv_as_io(rewritten)
     arch = arch_of(step)
     bar.update()
     stage(stages[1])
@@ -146,9 +160,12 @@ def export(
         f.write(pipeline.to_json())
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    draft = None
+    entries = {}
     if draft_graph(step) is not None:  # a draft graph (ir.draft) goes to draft.onnx
-        draft = export_draft(draft_graph(step), draft_spec(step), dtype, out_dir, check, _quiet_exporter)
+        entries["draft"] = export_draft(draft_graph(step), draft_spec(step), dtype, out_dir, check, _quiet_exporter)
+    if EVICTION_META in rewritten.meta:  # the policy's graphs go to observe.onnx, evict.onnx
+        policy, scales = rewritten.meta[EVICTION_META], attention_scales(rewritten)
+        entries["eviction"] = export_eviction(policy, scales, arch, dtype, out_dir, check, _quiet_exporter)
     bar.update()
     diffs = None
     if check:
@@ -157,9 +174,7 @@ def export(
         diffs = check_onnx(onnx_path, step, arch, dtype, sample_tokens)
         bar.update()
     bar.close()
-    manifest = _manifest(arch, dtype, pipeline, model_name, weight_bytes > EXTERNAL_DATA_BYTES, diffs)
-    if draft is not None:
-        manifest["draft"] = draft
+    manifest = _manifest(step, dtype, pipeline, model_name, weight_bytes > EXTERNAL_DATA_BYTES, diffs) | entries
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     return ExportResult(out_dir, onnx_path, manifest, max(diffs.values()) if diffs else None)
@@ -176,7 +191,7 @@ def _torch_export(step: torch.fx.GraphModule, arch: ArchSpec, dtype: torch.dtype
         with _quiet_exporter():
             return torch.onnx.export(
                 step, (), kwargs=sample, dynamo=True, dynamic_shapes=dynamic,
-                input_names=list(INPUTS), output_names=["logits", "hidden", *KV_OUTPUTS], optimize=True,
+                input_names=list(INPUTS), output_names=output_names(step), optimize=True,
             )  # fmt: skip
     except SpecpassError:
         raise
@@ -242,7 +257,7 @@ def check_onnx(onnx_path: str, step: torch.fx.GraphModule, arch: ArchSpec, dtype
     with torch.no_grad():
         expected = step(**inputs)
     got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
-    names = ["logits", "hidden", *KV_OUTPUTS]
+    names = output_names(step)
     diffs = {name: float((torch.from_numpy(g).float() - e.float()).abs().max()) for name, g, e in zip(names, got, expected)}
     worst = max(diffs.values())
     if not worst <= TOLERANCE[dtype]:
@@ -250,7 +265,8 @@ def check_onnx(onnx_path: str, step: torch.fx.GraphModule, arch: ArchSpec, dtype
     return diffs
 
 
-def _manifest(arch: ArchSpec, dtype, pipeline: Pipeline, model_name: str, external: bool, diffs) -> dict:
+def _manifest(step: torch.fx.GraphModule, dtype, pipeline: Pipeline, model_name: str, external: bool, diffs) -> dict:
+    arch = arch_of(step)
     shapes = _shapes(arch, 1, "T", "S")
     dtypes = {"input_ids": "int64", "positions": "int64", "past_mask": "bool", "tree_mask": "bool"}
 
@@ -264,6 +280,7 @@ def _manifest(arch: ArchSpec, dtype, pipeline: Pipeline, model_name: str, extern
         "architecture": arch.architecture,
         "dtype": _dtype_name(dtype),
         "num_layers": arch.num_layers,
+        "num_heads": arch.num_heads,
         "num_kv_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim,
         "hidden_size": arch.hidden_size,
@@ -273,7 +290,7 @@ def _manifest(arch: ArchSpec, dtype, pipeline: Pipeline, model_name: str, extern
         "exporter": f"torch.onnx.export(dynamo=True), torch {torch.__version__}",
         "external_data": external,
         "inputs": [io_entry(name) for name in INPUTS],
-        "outputs": [io_entry(name) for name in ("logits", "hidden", *KV_OUTPUTS)],
+        "outputs": [io_entry(name) for name in output_names(step)],
         "check": {"max_abs_diff": diffs} if diffs is not None else "skipped",
     }
 

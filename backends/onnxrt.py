@@ -6,7 +6,10 @@ hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in b
 slots (the buffer is reallocated and copied when the committed prefix outgrows it), so the step
 attends over at most KV_BUCKET - 1 spare slots.
 After a verify step `commit` copies the accepted path's entries of `new_keys` / `new_values` into
-consecutive slots: compaction without recompute, as in the PyTorch lowering.
+consecutive slots: compaction without recompute, as in the PyTorch lowering. An export that evicts
+(rewrites.kv_eviction) has a fixed cache of the policy's `budget` slots: after each commit its
+observe.onnx scores the accepted tokens from the step's `queries` output, and its evict.onnx keeps
+the policy's slots when the cache is full (`backends.onnx_eviction`).
 
 Inputs and outputs are bound with IOBinding to torch tensors' memory: the KV cache never leaves the
 device and is never copied between steps. With `cuda_graphs=True` on the CUDA EP every input and
@@ -23,13 +26,16 @@ from collections.abc import Sequence
 import torch
 
 from specpass.backends.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
+from specpass.backends.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
 from specpass.backends.onnx_draft import OrtDraft
+from specpass.backends.onnx_eviction import OrtEviction
 from specpass.backends.ort import bind, ort_session, read_manifest
 from specpass.backends.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
 from specpass.ir.layout import SlotLayout
 from specpass.passes import Pipeline
+from specpass.rewrites.kv_eviction import KVEviction
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16}
 
@@ -43,20 +49,27 @@ class OrtProgram(DecodeProgram):
         *,
         drafter: Drafter | None = None,
         device: str | torch.device = "cpu",
-        cache_size: int = 2048,
+        cache_size: int | None = None,
         max_nodes: int | None = None,
         budget: str | int = "cost",
         cuda_graphs: bool = False,
     ):
         """directory: a `specpass export` output; drafter: default prompt lookup + token recycling;
-        device: cpu (CPU EP) or cuda (CUDA EP); cache_size: KV slots; max_nodes: cap on the tree
+        device: cpu (CPU EP) or cuda (CUDA EP); cache_size: KV slots (default 2048; an evicting
+        export's is its budget, fixed at export); max_nodes: cap on the tree
         size (default: the exported TreeAttention's max_nodes; 1 is plain greedy decoding); budget:
         "cost" or a fixed node count, as in CompileOptions."""
         super().__init__(drafter if drafter is not None else default_drafter(), budget)
-        if not isinstance(cache_size, int) or cache_size < 2:
+        if cache_size is not None and (not isinstance(cache_size, int) or cache_size < 2):
             raise InvalidParameterError(f"cache_size must be an int >= 2, got {cache_size!r}")
         self.manifest = read_manifest(directory)
         self.pipeline = Pipeline.from_dict(self.manifest["pipeline"])
+        policy = next((p for p in self.pipeline if isinstance(p, KVEviction)), None)
+        if policy is not None and cache_size not in (None, policy.budget):
+            raise InvalidParameterError(
+                f"this export evicts its KV cache to {policy.budget} slots ({policy.name}): its cache_size is that "
+                f"budget, fixed at export; got cache_size={cache_size}"
+            )
         self.verifies_trees = self.pipeline.verifies_trees()
         self.max_nodes = self.pipeline.largest_tree()
         if max_nodes is not None:
@@ -68,7 +81,7 @@ class OrtProgram(DecodeProgram):
             raise InvalidParameterError("cuda_graphs needs device='cuda'")
         self.cuda_graphs = cuda_graphs
         self.session = ort_session(os.path.join(directory, "model.onnx"), self.device, cuda_graphs)
-        self.cache_size = cache_size
+        self.cache_size = cache_size or (policy.budget if policy is not None else 2048)
         self.eos_token_ids = tuple(self.manifest["eos_token_ids"])
         self.vocab_size = int(self.manifest["vocab_size"])
         self.dtype = _TORCH[self.manifest["dtype"]]
@@ -76,9 +89,15 @@ class OrtProgram(DecodeProgram):
             self.draft = OrtDraft(directory, self.manifest["draft"], self.device, self.dtype)
         m = self.manifest
         self._kv_shape = (m["num_layers"], 1, m["num_kv_heads"], m["head_dim"])
-        self.keys = self._zeros_cache(KV_BUCKET)  # [L, 1, KV, S, D]
-        self.values = self._zeros_cache(KV_BUCKET)
+        slots = KV_BUCKET if policy is None else policy.budget  # an evicting cache never grows
+        self.keys = self._zeros_cache(slots)  # [L, 1, KV, S, D]
+        self.values = self._zeros_cache(slots)
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.queries: torch.Tensor | None = None  # [L, 1, H, T, D]: the last step's, when the export evicts
+        self.eviction = None if policy is None else OrtEviction(self, directory, m["eviction"], policy)
+        if policy is not None:  # no step takes more than the slots an eviction frees
+            self.max_step = policy.chunk
+            self.max_nodes = min(self.max_nodes, self.max_step)
         self._graphs: dict[tuple[int, int], tuple] = {}  # CUDA graphs: bucket -> (inputs, outputs, binding)
 
     def _zeros_cache(self, slots: int) -> torch.Tensor:
@@ -88,7 +107,7 @@ class OrtProgram(DecodeProgram):
     def _reserve(self, slots: int) -> None:
         """Grow the cache buffers to hold `slots` slots (a multiple of KV_BUCKET)."""
         have = self.keys.shape[3]
-        if slots <= have:
+        if slots <= have or self.eviction is not None:  # room() keeps an evicting step inside its budget
             return
         grown = kv_bucket(slots)
         for name in ("keys", "values"):
@@ -112,6 +131,7 @@ class OrtProgram(DecodeProgram):
         else:
             outputs = self._run(self._inputs(tokens[None], layout.positions()[None], layout), layout.size)
         self._new = (outputs["new_keys"], outputs["new_values"])
+        self.queries = outputs.get(QUERIES_OUTPUT)
         return outputs["logits"][0], outputs["hidden"][0]
 
     def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
@@ -122,17 +142,25 @@ class OrtProgram(DecodeProgram):
         nodes = torch.tensor(list(path), device=self.device)
         for cache, new in zip((self.keys, self.values), self._new):
             cache[:, :, :, start : start + len(path)] = new.index_select(3, nodes)
+        if self.eviction is not None:
+            return self.eviction.after_commit(layout, path)
         return start + len(path)
+
+    def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
 
     def _outputs(self, t: int) -> dict[str, torch.Tensor]:
         layers, batch, heads, dim = self._kv_shape
         m, kw = self.manifest, {"dtype": self.dtype, "device": self.device}
-        return {
+        outputs = {
             "logits": torch.empty(batch, t, m["vocab_size"], **kw),
             "hidden": torch.empty(batch, t, m["hidden_size"], **kw),
             "new_keys": torch.empty(layers, batch, heads, t, dim, **kw),
             "new_values": torch.empty(layers, batch, heads, t, dim, **kw),
         }
+        if self.eviction is not None:
+            outputs[QUERIES_OUTPUT] = torch.empty(layers, batch, m["num_heads"], t, dim, **kw)
+        return outputs
 
     def _run(self, inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
         outputs = self._outputs(t)
@@ -164,4 +192,5 @@ class OrtProgram(DecodeProgram):
         run_options.add_run_config_entry("gpu_graph_id", str(list(self._graphs).index(key) + 1))
         self.session.run_with_iobinding(binding, run_options)
         t = layout.size
-        return {name: value[:, :, :, :t] if name.startswith("new_") else value[:, :t] for name, value in outputs.items()}
+        per_layer = (*KV_OUTPUTS, QUERIES_OUTPUT)  # [L, B, heads, T, D]
+        return {name: value[:, :, :, :t] if name in per_layer else value[:, :t] for name, value in outputs.items()}

@@ -16,7 +16,7 @@ from torch import nn
 
 from specpass.backends import cost, distributed
 from specpass.backends.compile import specpass_backend
-from specpass.backends.eviction import Eviction
+from specpass.backends.eviction import Eviction, GraphEviction
 from specpass.backends.kv import compact
 from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
@@ -52,8 +52,9 @@ class DecodeProgram(ABC):
 
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), verifies_trees (False:
     draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), and implement
-    `forward` and `commit`. An evicting program (rewrites.kv_eviction) sets `max_step`: the most
-    tokens one forward may take (prompts are fed in pieces); its commits free cache slots.
+    `forward`, `commit` and `kv_buffers`. An evicting program (rewrites.kv_eviction) sets `max_step`:
+    the most tokens one forward may take (prompts are fed in pieces), and `eviction`, run after each
+    commit (its commits free cache slots).
     budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
     """
 
@@ -73,6 +74,7 @@ class DecodeProgram(ABC):
 
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
     max_step: int | None = None  # evicting programs: the most tokens a forward takes (None: the cache's room)
+    eviction: Eviction | None = None  # evicting programs: the policy run after each commit
     resumes_from_exit = False  # True: `forward_from_exit` verifies a chain the early-exit draft ran
 
     def agreed_size(self, size: int) -> int:
@@ -107,6 +109,17 @@ class DecodeProgram(ABC):
 
     def new_sequence(self) -> None:
         """Called before a sequence's first forward: drop per-sequence cache state (eviction scores)."""
+        if self.eviction is not None:
+            self.eviction.reset()
+
+    @abstractmethod
+    def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V cache tensors as allocated now."""
+
+    def cache_bytes(self) -> int:
+        """Bytes of the tensors allocated for the KV cache and the eviction state, read from the tensors."""
+        kv = sum(c.numel() * c.element_size() for c in self.kv_buffers())
+        return kv + (self.eviction.state_bytes() if self.eviction is not None else 0)
 
     def forget(self) -> None:
         """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
@@ -148,7 +161,7 @@ class SpeculativeProgram(DecodeProgram):
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
         self.resumes_from_exit = self.step.resume is not None
         self.tensor_parallel = options.pipeline.has(TensorParallel)
-        self.eviction = Eviction.of(gm)
+        self.eviction = GraphEviction.of(gm)
         if self.eviction is not None:  # no step takes more than the slots an eviction frees
             self.max_step = self.eviction.policy.chunk
             self.max_nodes = min(self.max_nodes, self.max_step)
@@ -183,9 +196,8 @@ class SpeculativeProgram(DecodeProgram):
                 curves[kind] = super().measure_cost(measured, kv_len)
         return run.choose(curves).subset(sizes)
 
-    def new_sequence(self) -> None:
-        if self.eviction is not None:
-            self.eviction.reset()
+    def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_cache, self.v_cache
 
     def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
         if self.tensor_parallel:

@@ -252,7 +252,10 @@ def test_speculation_adds_no_change_and_the_cache_stays_within_its_budget(cls):
     assert max(kv_len for kv_len, _ in occupancy) <= policy.budget  # no step ever needed a slot past the budget
     evictions = sum(cached == policy.kept for _, cached in occupancy)
     assert evictions >= (ids.shape[1] + 49 - policy.budget) // policy.chunk + 1  # every chunk tokens past the budget
-    assert program.step.graph_module.k_cache.shape[3] == policy.budget
+    gm = program.step.graph_module
+    assert gm.k_cache.shape[3] == policy.budget
+    allocated = [b for name, b in gm.named_buffers() if name in ("k_cache", "v_cache") or name.startswith("kv_")]
+    assert program.cache_bytes() == sum(b.numel() * b.element_size() for b in allocated)  # K/V, scores, query stores
     full = model.generate(ids, max_new_tokens=50, do_sample=False)[0, ids.shape[1] :].tolist()
     assert one != full
 
@@ -287,3 +290,44 @@ def test_eval_kv_refuses_unknown_policies_and_budgets_before_loading_anything(ca
     assert "unknown policies ['lru']" in capsys.readouterr().err
     assert main(["eval-kv", "--budgets", "0.25", "1.5"]) == 2
     assert "budgets are fractions of the length, in (0, 1)" in capsys.readouterr().err
+    assert main(["eval-kv", "--onnx-policies", "tova", "fifo"]) == 2
+    assert "unknown policies ['fifo']" in capsys.readouterr().err
+    assert main(["eval-kv", "--onnx-budget", "0"]) == 2
+    assert "budgets are fractions of the length, in (0, 1)" in capsys.readouterr().err
+
+
+# ---- ONNX: the policy's graphs exported beside the step, run on ORT ----------------------------
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cls", [SinksWindow, A2SF, TOVA, SnapKV, Keyformer])  # Keyformer's scores are H2O's + noise
+def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path):
+    """The exported step outputs its queries; observe.onnx / evict.onnx run the policy on ORT: speculative
+    decoding over the ORT program gives the PyTorch program's tokens, in a cache of `budget` slots, and
+    the export's cache size is its budget."""
+    import onnx
+
+    from specpass.backends.onnx_export import export
+
+    model = tiny_model()
+    policy = _policy(cls, 32, 8)
+    ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(12))
+    ids = torch.cat([ids, ids[:, 5:25]], dim=1)
+    result = export(model, specpass.Pipeline(TreeAttention(8), policy), str(tmp_path / "out"), progress=False)
+    entry = result.manifest["eviction"]
+    assert (tmp_path / "out" / entry["evict"]).exists()
+    assert (tmp_path / "out" / "observe.onnx").exists() == (entry["observe"] is not None) == (cls is not SinksWindow)
+    assert all(diff <= 1e-4 for diff in entry["check_max_abs_diff"].values())
+    assert [o.name for o in onnx.load(result.onnx_path).graph.output][-1] == "queries"
+    want, _ = _generate(model, ids, policy, budget=1, new=50, lowering="eager")
+    program = specpass.load_onnx(result.directory, drafter=drafter_by_name("combined"))
+    got = specpass.generate(program, ids, max_new_tokens=50, eos_token_id=[])
+    assert got.sequences[0, ids.shape[1] :].tolist() == want
+    assert got.stats.tau > 1.0  # drafts were accepted across evictions
+    assert program.keys.shape[3] == program.cache_size == policy.budget  # the cache never grew
+    assert "output changes: KV eviction" in str(program.pipeline)  # the export's pipeline says it is lossy
+    layers, _, kv, _, dim = program.keys.shape
+    assert program.cache_bytes() == 2 * layers * kv * policy.budget * dim * 4 + program.eviction.state_bytes()
+    with pytest.raises(InvalidParameterError, match=rf"evicts its KV cache to 32 slots \({cls.__name__}\).*=64"):
+        specpass.load_onnx(result.directory, cache_size=64)
+

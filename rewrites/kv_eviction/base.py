@@ -49,6 +49,11 @@ KV_EVICTION = "kv_eviction"
 EVICTION_META = "specpass_eviction"  # gm.meta key holding the eviction pass that rewrote the step
 
 
+def attention_scales(gm: torch.fx.GraphModule) -> tuple[float, ...]:
+    """Each layer's softmax scale: the eviction graphs score with the attention's own."""
+    return tuple(layer.attention.scale for layer in model_parts(gm).layers)
+
+
 def check_int(owner: str, name: str, value: object, low: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise InvalidParameterError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
@@ -143,7 +148,7 @@ class KVEviction(Pass):
                 recorded = graph.call_function(ops.record_queries, (store, layer, attention.args[0]))
                 annotate(recorded, Role.EVICTION, layer)
             attention.args = (recorded, *attention.args[1:])
-        scales = tuple(layer.attention.scale for layer in model_parts(gm).layers)
+        scales = attention_scales(gm)
         state = {name: buffers[name] for name in buffers if name not in ("k_cache", "v_cache")}
         shared = {"k_cache": buffers["k_cache"], "v_cache": buffers["v_cache"], **state}
         gm.add_submodule(ops.OBSERVE_MODULE, ops.trace(ops.Observe(self, shared, scales)))

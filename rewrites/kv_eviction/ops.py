@@ -17,6 +17,10 @@ the slots it saw updates the scores (the policy's `update`). Rejected nodes neve
 the policy ranks per head) it keeps `budget - chunk` slots, the policy's protected slots and then
 its highest priorities, gathers their K, V and scores into slots [0, kept) in sequence order, and
 zeroes the rest of the scores.
+
+The math of both is a pure function (`observed`, `evicted`: tensors in, new tensors out): the graphs
+here call it and copy its results into the step's buffers; the ONNX export exports it as it is
+(backends.onnx_eviction), so every lowering keeps the same slots.
 """
 
 from __future__ import annotations
@@ -41,6 +45,66 @@ def record_queries(store: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Te
     return q
 
 
+def observed(
+    policy, scales: tuple[float, ...], queries: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor | None,
+    window: torch.Tensor | None, first_slot, positions: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """The policy's state after n accepted tokens, as a function (the in-place graph and the ONNX
+    export both run it). queries [L, B, H, n, D]: the accepted tokens' queries; keys [L, B, KV, S, D]:
+    the cache, the tokens themselves in slots first_slot .. first_slot + n - 1 (first_slot: an int or
+    a 0-dim int64 tensor); scores [L, B, KV, S] (score-based policies; zero past the committed slots),
+    window [L, B, H, W, D] (SnapKV), positions [n]. Slots past the committed ones are masked out of
+    the attention, so they keep a zero score. Returns the new (scores, window)."""
+    new_scores, new_window = [], []
+    for layer, scale in enumerate(scales):
+        q = queries[layer]  # [B, H, n, D]
+        if window is not None:
+            new_window.append(torch.cat((window[layer], q), dim=2)[:, :, -window.shape[3] :])  # the last W
+        if scores is None:
+            continue
+        noise, temperature = None, 1.0
+        if policy.gumbel:  # Keyformer
+            noise, temperature = gumbel_noise(layer, q.shape[1], positions, keys.shape[3]), policy.temperature  # [1, H, n, S]
+        attention = accepted_attention(q, keys[layer], first_slot, scale, noise, temperature)  # [B, KV, n, S]
+        new_scores.append(policy.update(scores[layer], attention))  # [B, KV, S]
+    return (torch.stack(new_scores) if scores is not None else None,
+            torch.stack(new_window) if window is not None else None)  # fmt: skip
+
+
+def evicted(
+    policy, scales: tuple[float, ...], protected: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    scores: torch.Tensor | None, window: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The full cache after an eviction, as a function. keys, values [L, B, KV, budget, D] (every slot
+    committed), scores [L, B, KV, budget] or None, window [L, B, H, W, D] (SnapKV) or None, protected
+    [budget] bool. Per layer and KV head the `kept` slots (protected first, then the policy's highest
+    priorities) move to slots [0, kept) in sequence order; K/V past them are left as they were (the
+    next tokens overwrite them), their scores are zeroed. Returns (keys, values, scores)."""
+    kept = policy.kept
+    if scores is not None:
+        priority = policy.priority(scores)  # [L, B, KV, budget]
+    elif window is not None:
+        priority = torch.stack([_window_attention(policy, window[layer], keys[layer], scale)
+                                for layer, scale in enumerate(scales)])  # fmt: skip
+    else:
+        priority = torch.zeros(keys.shape[:4], device=keys.device)  # [L, B, KV, budget]
+    keep = keep_slots(priority, kept, protected)  # [L, B, KV, kept]
+    rows = keep[..., None].expand(-1, -1, -1, -1, keys.shape[-1])  # [L, B, KV, kept, D]
+    keys = torch.cat((keys.gather(3, rows), keys[:, :, :, kept:]), dim=3)
+    values = torch.cat((values.gather(3, rows), values[:, :, :, kept:]), dim=3)
+    if scores is not None:
+        scores = torch.cat((scores.gather(3, keep), torch.zeros_like(scores[..., kept:])), dim=3)
+    return keys, values, scores
+
+
+def _window_attention(policy, window: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """SnapKV: one layer's observation-window attention over the full cache, summed over the window
+    and pooled over neighbouring slots. window [B, H, W, D] (the last W slots' queries), keys
+    [B, KV, budget, D] -> [B, KV, budget]"""
+    first = policy.budget - window.shape[2]
+    return policy.pool(accepted_attention(window, keys, first, scale).sum(2))  # [B, KV, W, S] summed
+
+
 class Observe(nn.Module):
     """kv_observe: fold the accepted tokens' attention into the policy's scores (module docstring)."""
 
@@ -52,22 +116,14 @@ class Observe(nn.Module):
             self.register_buffer(name, buffer, persistent=False)
 
     def forward(self, rows: torch.Tensor, first_slot, positions: torch.Tensor):
-        n = rows.shape[0]
-        seen = first_slot + n  # slots [0, seen) hold the committed tokens, the accepted ones last
-        for layer, scale in enumerate(self.scales):
-            q = self.kv_queries[layer].index_select(2, rows)  # [B, H, n, D]
-            if self.policy.window_queries:
-                window = self.kv_window_queries[layer]  # [B, H, W, D]
-                window.copy_(torch.cat((window, q), dim=2)[:, :, -window.shape[2] :])
-            if not self.policy.scored:
-                continue
-            noise, temperature = None, 1.0
-            if self.policy.gumbel:  # Keyformer
-                noise, temperature = gumbel_noise(layer, q.shape[1], positions, seen), self.policy.temperature  # [1, H, n, S]
-            keys = self.k_cache[layer, :, :, :seen]  # [B, KV, S, D]
-            attention = accepted_attention(q, keys, first_slot, scale, noise, temperature)  # [B, KV, n, S]
-            scores = self.kv_scores[layer, :, :, :seen]  # [B, KV, S]
-            scores.copy_(self.policy.update(scores, attention))
+        queries = self.kv_queries.index_select(3, rows)  # [L, B, H, n, D]
+        scores = self.kv_scores if self.policy.scored else None
+        window = self.kv_window_queries if self.policy.window_queries else None
+        scores, window = observed(self.policy, self.scales, queries, self.k_cache, scores, window, first_slot, positions)
+        if scores is not None:
+            self.kv_scores.copy_(scores)
+        if window is not None:
+            self.kv_window_queries.copy_(window)
         return rows
 
 
@@ -80,32 +136,17 @@ class Evict(nn.Module):
         self.scales = scales
         for name, buffer in buffers.items():
             self.register_buffer(name, buffer, persistent=False)
-        slots = policy.budget
-        self.register_buffer("protected", policy.protected(slots), persistent=False)  # [budget] bool
+        self.register_buffer("protected", policy.protected(policy.budget), persistent=False)  # [budget] bool
 
     def forward(self):
+        scores = self.kv_scores if self.policy.scored else None
+        window = self.kv_window_queries if self.policy.window_queries else None
+        keys, values, scores = evicted(self.policy, self.scales, self.protected, self.k_cache, self.v_cache, scores, window)
         kept = self.policy.kept
-        if self.policy.scored:
-            priority = self.policy.priority(self.kv_scores)  # [L, B, KV, budget]
-        elif self.policy.window_queries:
-            priority = torch.stack([self._window_attention(layer) for layer in range(len(self.scales))])
-        else:
-            priority = torch.zeros(self.k_cache.shape[:4], device=self.k_cache.device)  # [L, B, KV, budget]
-        keep = keep_slots(priority, kept, self.protected)  # [L, B, KV, kept]
-        rows = keep[..., None].expand(-1, -1, -1, -1, self.k_cache.shape[-1])  # [L, B, KV, kept, D]
-        self.k_cache[:, :, :, :kept].copy_(self.k_cache.gather(3, rows))
-        self.v_cache[:, :, :, :kept].copy_(self.v_cache.gather(3, rows))
-        if self.policy.scored:
-            self.kv_scores[..., :kept].copy_(self.kv_scores.gather(3, keep))
-            self.kv_scores[..., kept:].zero_()
-
-    def _window_attention(self, layer: int) -> torch.Tensor:
-        """SnapKV: the observation window's attention over the full cache, summed over the window and
-        pooled over neighbouring slots. The window's tokens are the last W slots. -> [B, KV, budget]"""
-        window = self.kv_window_queries[layer]  # [B, H, W, D]
-        first = self.policy.budget - window.shape[2]
-        attention = accepted_attention(window, self.k_cache[layer], first, self.scales[layer])  # [B, KV, W, S]
-        return self.policy.pool(attention.sum(2))
+        self.k_cache[:, :, :, :kept].copy_(keys[:, :, :, :kept])
+        self.v_cache[:, :, :, :kept].copy_(values[:, :, :, :kept])
+        if scores is not None:
+            self.kv_scores.copy_(scores)
 
 
 class _BufferTracer(torch.fx.Tracer):

@@ -74,9 +74,7 @@ def _pytorch_runs(args: argparse.Namespace):
     compiled = torch.compile(model, backend="specpass", options=options)
     specpass.compile_program(compiled)  # capture, rewrite, lower and measure the cost curve up front
     sampling = _sampling(args)
-    lossy = [p for p in pipeline if p.changes_output is not None]
-    for p in lossy if _rank() == 0 else ():
-        print(f"note: the output differs from the original model's: {p.changes_output}")
+    lossy = _lossy_passes(pipeline)
     one_node = specpass.CompileOptions(budget=1, pipeline=Pipeline(TreeAttention(1), *lossy))
     # HF samples with other noise, and knows no lossy rewrite: then the reference is specpass's one-node trees
     own_reference = sampling["do_sample"] or bool(lossy)
@@ -111,7 +109,8 @@ def _onnxrt_runs(args: argparse.Namespace):
     read_manifest(args.model)  # a missing or foreign directory is named before anything loads
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     program = specpass.load_onnx(args.model, drafter=drafter_by_name(args.drafter), device=args.device)
-    plain = specpass.load_onnx(args.model, device=args.device, max_nodes=1)
+    plain = specpass.load_onnx(args.model, device=args.device, max_nodes=1)  # the same rewrites, one node a step
+    _lossy_passes(program.pipeline)
     program.cost_curve  # measured before timing
     sampling = _sampling(args)
 
@@ -122,6 +121,14 @@ def _onnxrt_runs(args: argparse.Namespace):
         return specpass.generate(program, ids, max_new_tokens=max_new_tokens, **sampling)
 
     return tokenizer, reference, speculative, "plain sampling (ORT)" if args.do_sample else "plain greedy (ORT)"
+
+
+def _lossy_passes(pipeline) -> list:
+    """The pipeline's passes that change the model's output, each named in a printed note (rank 0)."""
+    lossy = [p for p in pipeline if p.changes_output is not None]
+    for p in lossy if _rank() == 0 else ():
+        print(f"note: the output differs from the original model's: {p.changes_output}")
+    return lossy
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -255,18 +262,19 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
         ("lengths", args.lengths), ("budgets", args.budgets), ("policies", args.policies),
         ("passkey_lengths", args.passkey_lengths if args.passkey_lengths is not None else args.lengths),
         ("passkey_budgets", args.passkey_budgets if args.passkey_budgets is not None else args.budgets),
-        ("speculation_policies", args.speculation_policies)) if value is not None}  # fmt: skip
-    named = set(chosen.get("policies", ())) | set(chosen.get("speculation_policies", ()))
+        ("speculation_policies", args.speculation_policies), ("onnx_policies", args.onnx_policies)) if value is not None}  # fmt: skip
+    named = set(chosen.get("policies", ())) | set(chosen.get("speculation_policies", ())) | set(chosen.get("onnx_policies", ()))
     unknown = sorted(named - set(eval_kv.POLICIES))
     if unknown:
         raise InvalidParameterError(f"unknown policies {unknown}; choose from {', '.join(eval_kv.POLICIES)}")
-    if any(not 0.0 < b < 1.0 for b in [*chosen.get("budgets", ()), *chosen.get("passkey_budgets", ())]):
+    if any(not 0.0 < b < 1.0 for b in [*chosen.get("budgets", ()), *chosen.get("passkey_budgets", ()), args.onnx_budget]):
         raise InvalidParameterError("budgets are fractions of the length, in (0, 1)")
     if args.speculation_prompts < 0:
         raise InvalidParameterError("--speculation-prompts must be >= 0")
     chosen = {k: tuple(v) for k, v in chosen.items()}
     protocol = dataclasses.replace(protocol, **chosen, passkey_seeds=args.passkey_seeds, passkey_depths=args.passkey_depths,
-                                   speculation_prompts=args.speculation_prompts)  # fmt: skip
+                                   speculation_prompts=args.speculation_prompts, onnx_length=args.onnx_length,
+                                   onnx_budget=args.onnx_budget)  # fmt: skip
     model, tokenizer = load_default_model()
     identity = bench.run_identity(torch.device("cpu"))
     save = lambda partial: bench.write_report(identity | partial, args.out, prefix="kv-eviction-")  # noqa: E731
@@ -346,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompts for speculative = one-token-a-step decoding under eviction (at 4096 tokens, "
                          "budget 0.25; 0: skip)")
     kv.add_argument("--speculation-policies", nargs="*", default=["tova"])
+    kv.add_argument("--onnx-policies", nargs="*",
+                    help="policies exported to ONNX and run on ORT beside the full cache (default: tova; none: skip)")
+    kv.add_argument("--onnx-length", type=_positive_int, default=8192)
+    kv.add_argument("--onnx-budget", type=float, default=0.25)
     kv.add_argument("--out", default="benchmarks/results")
     kv.set_defaults(run=cmd_eval_kv)
     args = parser.parse_args(argv)

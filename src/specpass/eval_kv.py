@@ -10,12 +10,17 @@ For each input length and each policy x budget (a fraction of the length), on th
 * passkey retrieval (exact match), over seeds x depths;
 * the cache's bytes, read from the tensors the program allocated (K/V buffers and the policy's state);
 * at one length, speculative decoding with the policy against the same policy one token a step
-  (outputs must be equal) over several prompts, and tokens/s beside full-cache speculative decoding.
+  (outputs must be equal) over several prompts, and tokens/s beside full-cache speculative decoding;
+* at one length and budget, the ONNX export on ONNX Runtime (CPU EP): the full cache and each chosen
+  policy exported, the same perplexity and continuation measured on ORT, the ORT program's cache
+  bytes beside its full cache's, and the tokens against the PyTorch program's.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -58,23 +63,24 @@ class Protocol:
     speculation_length: int = 4096
     speculation_budget: float = 0.25
     speculation_policies: tuple[str, ...] = ("tova",)
+    onnx_length: int = 8192
+    onnx_budget: float = 0.25
+    onnx_policies: tuple[str, ...] = ("tova",)  # (): no ONNX phase
     speculation_prompts: int = 20  # 0: no speculation phase
 
 
-def _program(model, policy_name: str, budget: int, chunk: int, cache_size: int, speculative: bool = False):
+def _pipeline(policy_name: str, budget: int, chunk: int) -> Pipeline:
     passes = [TreeAttention(chunk)]
     if policy_name != FULL:
         passes.append(POLICIES[policy_name](budget, chunk))
-    options = CompileOptions(pipeline=Pipeline(*passes), cache_size=cache_size, budget="cost" if speculative else 1,
+    return Pipeline(*passes)
+
+
+def _program(model, policy_name: str, budget: int, chunk: int, cache_size: int, speculative: bool = False):
+    options = CompileOptions(pipeline=_pipeline(policy_name, budget, chunk), cache_size=cache_size,
+                             budget="cost" if speculative else 1,
                              drafter=drafter_by_name("combined"))  # fmt: skip
     return SpeculativeProgram(model, options)  # not the per-model cache of programs: freed after use
-
-
-def cache_bytes(program: SpeculativeProgram) -> int:
-    """Bytes of the tensors the step allocated for its cache: K/V buffers and eviction state."""
-    gm = program.step.graph_module
-    return sum(b.numel() * b.element_size() for name, b in gm.named_buffers() if name in ("k_cache", "v_cache")
-               or name.startswith("kv_"))  # fmt: skip
 
 
 @torch.no_grad()
@@ -116,8 +122,8 @@ def passkey_accuracy(program, tokenizer, length: int, seeds: int, depths: int) -
 def run(model, tokenizer, protocol: Protocol, log=print, save=lambda report: None) -> dict:
     """Every phase of the protocol (an empty `lengths` / `passkey_lengths` / `speculation_prompts`
     skips one); `save` gets the report so far after every measurement."""
-    rows, passkey, speculation = [], [], []
-    report = {"protocol": asdict(protocol), "rows": rows, "passkey": passkey, "speculation": speculation}
+    rows, passkey, speculation, onnx = [], [], [], []
+    report = {"protocol": asdict(protocol), "rows": rows, "passkey": passkey, "speculation": speculation, "onnx": onnx}
     configs = [(FULL, 1.0)] + [(name, fraction) for name in protocol.policies for fraction in protocol.budgets]
     for length in protocol.lengths:
         ids = library_sequences(tokenizer, length, 1)[0]
@@ -129,8 +135,8 @@ def run(model, tokenizer, protocol: Protocol, log=print, save=lambda report: Non
             ppl, tokens = perplexity_and_continuation(program, ids, protocol.chunk, protocol.new_tokens)
             reference = tokens if name == FULL else reference
             row = {"length": length, "policy": name, "budget": fraction, "slots": budget, "perplexity": ppl,
-                   "cache_bytes": cache_bytes(program), "seconds": time.perf_counter() - started,
-                   **agreement(tokens, reference)}  # fmt: skip
+                   "cache_bytes": program.cache_bytes(), "seconds": time.perf_counter() - started,
+                   "tokens": tokens, **agreement(tokens, reference)}  # fmt: skip
             rows.append(row)
             log(f"{length:5d} {name:12s} {fraction:4.2f}  ppl {ppl:8.3f}  agree {row['equal_positions']:.2f} "
                 f"(first diff {row['first_difference']:3d})  cache {row['cache_bytes'] / 2**20:7.1f} MiB")  # fmt: skip
@@ -147,7 +153,47 @@ def run(model, tokenizer, protocol: Protocol, log=print, save=lambda report: Non
     if protocol.speculation_prompts:
         speculation += _speculation(model, tokenizer, protocol, log)
         save(report)
+    if protocol.onnx_policies:
+        _onnx(model, tokenizer, protocol, rows, onnx, log, lambda: save(report))
     return report
+
+
+@torch.no_grad()
+def _onnx(model, tokenizer, protocol: Protocol, rows: list[dict], out: list[dict], log, save) -> None:
+    """The full cache and each ONNX policy exported and run on ORT (CPU EP) over the perplexity text of
+    `onnx_length` tokens: perplexity, continuation, cache bytes; the PyTorch row of the same policy
+    and budget (measured now if the perplexity phase did not) gives the tokens to compare."""
+    from specpass.backends.onnx_export import export
+    from specpass.backends.onnxrt import OrtProgram
+
+    length, chunk = protocol.onnx_length, protocol.chunk
+    ids = library_sequences(tokenizer, length, 1)[0]
+    for name in (FULL, *protocol.onnx_policies):
+        fraction = 1.0 if name == FULL else protocol.onnx_budget
+        budget = length if name == FULL else int(fraction * length)
+        mine = next((r for r in rows if (r["length"], r["policy"], r["budget"]) == (length, name, fraction)), None)
+        if mine is None:
+            program = _program(model, name, budget, chunk, length + protocol.new_tokens + chunk)
+            ppl, tokens = perplexity_and_continuation(program, ids, chunk, protocol.new_tokens)
+            mine = {"perplexity": ppl, "tokens": tokens, "cache_bytes": program.cache_bytes()}
+            del program
+        with tempfile.TemporaryDirectory() as directory:
+            started = time.perf_counter()
+            export(model, _pipeline(name, budget, chunk), os.path.join(directory, "export"), progress=False)
+            export_seconds = time.perf_counter() - started
+            cache = length + protocol.new_tokens + chunk if name == FULL else None  # an evicting export's is its budget
+            program = OrtProgram(os.path.join(directory, "export"), cache_size=cache, budget=1)
+            started = time.perf_counter()
+            ppl, tokens = perplexity_and_continuation(program, ids, chunk, protocol.new_tokens)
+            row = {"length": length, "policy": name, "budget": fraction, "slots": budget, "perplexity": ppl,
+                   "cache_bytes": program.cache_bytes(), "seconds": time.perf_counter() - started,
+                   "export_seconds": export_seconds, "pytorch_perplexity": mine["perplexity"],
+                   "pytorch_cache_bytes": mine["cache_bytes"], **agreement(tokens, mine["tokens"])}  # fmt: skip
+            del program
+        out.append(row)
+        log(f"onnx {length:5d} {name:12s} {fraction:4.2f}  ppl {ppl:8.3f} (PyTorch {mine['perplexity']:.3f})  "
+            f"tokens equal to PyTorch's {row['equal_positions']:.2f}  cache {row['cache_bytes'] / 2**20:7.1f} MiB")  # fmt: skip
+        save()
 
 
 @torch.no_grad()
@@ -219,6 +265,15 @@ def tables(report: dict) -> str:
                   "| --- | --- |" + " --- |" * len(plens)]  # fmt: skip
         for name, budget in keys:
             lines.append(f"| {name} | {budget:.2f} | " + " | ".join(f"{acc[(n, name, budget)]:.2f}" for n in plens) + " |")
+    if report.get("onnx"):
+        lines += ["", "| ONNX Runtime: policy | budget | tokens | perplexity (PyTorch) | tokens equal to PyTorch's | "
+                  "cache MiB (% of ORT full) |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        ort_full = next((r for r in report["onnx"] if r["policy"] == FULL), None)
+        for r in report["onnx"]:
+            share = f" ({100 * r['cache_bytes'] / ort_full['cache_bytes']:.1f} %)" if ort_full else ""
+            lines.append(f"| {r['policy']} | {r['budget']:.2f} | {r['length']} | {r['perplexity']:.3f} "
+                         f"({r['pytorch_perplexity']:.3f}) | {r['equal_positions']:.2f} | "
+                         f"{r['cache_bytes'] / 2**20:.1f}{share} |")  # fmt: skip
     return "\n".join(lines)
 
 
