@@ -68,8 +68,8 @@ def _state_shapes(policy: KVEviction, layers: int, heads: int, kv_heads: int, di
 
 
 def _samples(policy: KVEviction, shapes: dict, kv: tuple, dtype: torch.dtype, n: int) -> tuple[dict, dict]:
-    """Sample inputs of both graphs: n tokens accepted into the last n slots of a full cache, scores
-    zero past them; a random cache and random scores, so that no two slots tie."""
+    """Sample inputs of both graphs: n tokens accepted into the last n slots of a full cache (the
+    exporter traces these, the check runs them); a random cache and random scores, so no two slots tie."""
     gen = torch.Generator().manual_seed(0)
     layers, _, heads, dim = shapes["queries"]
     budget = policy.budget
