@@ -254,8 +254,9 @@ def test_speculation_adds_no_change_and_the_cache_stays_within_its_budget(cls):
     assert evictions >= (ids.shape[1] + 49 - policy.budget) // policy.chunk + 1  # every chunk tokens past the budget
     gm = program.step.graph_module
     assert gm.k_cache.shape[3] == policy.budget
-    allocated = [b for name, b in gm.named_buffers() if name in ("k_cache", "v_cache") or name.startswith("kv_")]
-    assert program.cache_bytes() == sum(b.numel() * b.element_size() for b in allocated)  # K/V, scores, query stores
+    step_buffers = dict(gm.named_buffers(recurse=False))  # K/V, scores, query stores (not the graphs' constants)
+    allocated = [b for name, b in step_buffers.items() if name in ("k_cache", "v_cache") or name.startswith("kv_")]
+    assert program.cache_bytes() == sum(b.numel() * b.element_size() for b in allocated)
     full = model.generate(ids, max_new_tokens=50, do_sample=False)[0, ids.shape[1] :].tolist()
     assert one != full
 
