@@ -14,7 +14,7 @@ import os
 import torch
 import torch.fx
 
-from specpass.backends.ort import TOLERANCE, bind, ort_session
+from specpass.backends.ort import TOLERANCE, ort_session, run_bound
 from specpass.errors import ExportError
 from specpass.ir.draft import ROWS, DraftGraphSpec, sample_inputs
 from specpass.passes import pass_type
@@ -91,8 +91,5 @@ class OrtDraft:
                  for t in self.spec.inputs}  # fmt: skip
         outputs = {t.name: torch.empty(t.concrete_shape(rows), dtype=t.torch_dtype(self.dtype), device=self.device)
                    for t in self.spec.outputs}  # fmt: skip
-        binding = bind(self.session, self.device, feeds, outputs)
-        binding.synchronize_inputs()
-        self.session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
+        run_bound(self.session, self.device, feeds, outputs)
         return tuple(outputs[name] for name in self.spec.output_names)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from specpass.backends.eviction import Eviction
-from specpass.backends.ort import TOLERANCE, bind, ort_session
+from specpass.backends.ort import TOLERANCE, ort_session, run_bound
 from specpass.errors import ExportError
 from specpass.rewrites.kv_eviction import KVEviction
 from specpass.rewrites.kv_eviction.ops import evicted, observed
@@ -154,7 +154,7 @@ class OrtEviction(Eviction):
         inputs = {"queries": self.program.queries.index_select(3, rows).contiguous(), "keys": self.program.keys,
                   "first_slot": torch.tensor(first_slot, device=self.device), "positions": positions, **self.state}
         outputs = {f"new_{name}": torch.empty_like(self.state[name]) for name in self.names}
-        self._run(self.observe_session, inputs, outputs)
+        run_bound(self.observe_session, self.device, inputs, outputs)
         self.state.update({name: outputs[f"new_{name}"] for name in self.names})
 
     def evict(self) -> None:
@@ -162,18 +162,11 @@ class OrtEviction(Eviction):
         outputs = {"kept_keys": torch.empty_like(self.program.keys), "kept_values": torch.empty_like(self.program.values)}
         if self.policy.scored:
             outputs["kept_scores"] = torch.empty_like(self.state["scores"])
-        self._run(self.evict_session, inputs, outputs)
+        run_bound(self.evict_session, self.device, inputs, outputs)
         self.program.keys.copy_(outputs["kept_keys"])  # in place: bindings (CUDA graphs) keep the cache's memory
         self.program.values.copy_(outputs["kept_values"])
         if self.policy.scored:
             self.state["scores"] = outputs["kept_scores"]
-
-    def _run(self, session, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
-        feeds = {name: tensor.contiguous() for name, tensor in inputs.items()}  # alive until the run
-        binding = bind(session, self.device, feeds, outputs)
-        binding.synchronize_inputs()
-        session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
 
     def reset(self) -> None:
         for tensor in self.state.values():

@@ -29,7 +29,7 @@ from specpass.backends.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucke
 from specpass.backends.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
 from specpass.backends.onnx_draft import OrtDraft
 from specpass.backends.onnx_eviction import OrtEviction
-from specpass.backends.ort import bind, ort_session, read_manifest
+from specpass.backends.ort import bind, ort_session, read_manifest, run_bound
 from specpass.backends.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
@@ -94,10 +94,8 @@ class OrtProgram(DecodeProgram):
         self.values = self._zeros_cache(slots)
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.queries: torch.Tensor | None = None  # [L, 1, H, T, D]: the last step's, when the export evicts
-        self.eviction = None if policy is None else OrtEviction(self, directory, m["eviction"], policy)
-        if policy is not None:  # no step takes more than the slots an eviction frees
-            self.max_step = policy.chunk
-            self.max_nodes = min(self.max_nodes, self.max_step)
+        if policy is not None:
+            self.evict_with(OrtEviction(self, directory, m["eviction"], policy))
         self._graphs: dict[tuple[int, int], tuple] = {}  # CUDA graphs: bucket -> (inputs, outputs, binding)
 
     def _zeros_cache(self, slots: int) -> torch.Tensor:
@@ -164,11 +162,7 @@ class OrtProgram(DecodeProgram):
 
     def _run(self, inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
         outputs = self._outputs(t)
-        inputs = {name: tensor.contiguous() for name, tensor in inputs.items()}
-        binding = bind(self.session, self.device, inputs, outputs)
-        binding.synchronize_inputs()
-        self.session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
+        run_bound(self.session, self.device, inputs, outputs)
         return outputs
 
     def _run_graph(self, input_ids: torch.Tensor, layout: SlotLayout) -> dict[str, torch.Tensor]:

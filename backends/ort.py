@@ -53,6 +53,16 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
+def run_bound(session, device: torch.device, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+    """Run `session` on torch tensors in place: inputs made contiguous (kept alive through the run),
+    outputs written into the given tensors' memory."""
+    feeds = {name: tensor.contiguous() for name, tensor in inputs.items()}
+    binding = bind(session, device, feeds, outputs)
+    binding.synchronize_inputs()
+    session.run_with_iobinding(binding)
+    binding.synchronize_outputs()
+
+
 def bind(session, device: torch.device, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
     """An IOBinding of `session` to the memory of contiguous torch tensors on `device` (alive until the
     run: ORT reads and writes their memory)."""

@@ -107,6 +107,12 @@ class DecodeProgram(ABC):
         room = self.cache_size - cached
         return room if self.max_step is None else min(room, self.max_step)
 
+    def evict_with(self, eviction: Eviction) -> None:
+        """Run `eviction` after each commit; no step takes more than the slots an eviction frees."""
+        self.eviction = eviction
+        self.max_step = eviction.policy.chunk
+        self.max_nodes = min(self.max_nodes, self.max_step)
+
     def new_sequence(self) -> None:
         """Called before a sequence's first forward: drop per-sequence cache state (eviction scores)."""
         if self.eviction is not None:
@@ -161,10 +167,9 @@ class SpeculativeProgram(DecodeProgram):
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
         self.resumes_from_exit = self.step.resume is not None
         self.tensor_parallel = options.pipeline.has(TensorParallel)
-        self.eviction = GraphEviction.of(gm)
-        if self.eviction is not None:  # no step takes more than the slots an eviction frees
-            self.max_step = self.eviction.policy.chunk
-            self.max_nodes = min(self.max_nodes, self.max_step)
+        eviction = GraphEviction.of(gm)
+        if eviction is not None:
+            self.evict_with(eviction)
 
     def agreed_size(self, size: int) -> int:
         return distributed.rank0_int(size) if self.tensor_parallel else size
