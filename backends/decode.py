@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from specpass.backends.multi_candidate import accept_drawn, node_laws
 from specpass.backends.program import DecodeProgram
 from specpass.backends.sampling import TargetChoice
 from specpass.drafters import Drafting, TargetForward, DraftTree, accept_greedy, expected_tokens
@@ -139,6 +141,7 @@ def _as_chain(tree: DraftTree) -> DraftTree:
         tuple(range(-1, len(keep) - 1)),
         tuple(tree.scores[i] for i in keep),
         tuple(tree.origins[i] for i in keep),
+        tuple(tree.drawn[i] for i in keep) if tree.drawn else (),  # each node's first child: its first draw
     )
 
 
@@ -153,9 +156,12 @@ def generate(
     """Speculative decoding of `input_ids` [1, P] with the program's drafter (and its memory).
 
     choice: the target's choice after each token (default plain greedy; see backends.sampling): the
-    output equals non-speculative decoding with the same choice. stop: called with the sequence after
-    every emitted token, in order; True ends the generation after that token (finish reason "stop").
-    Plain greedy takes its choice from the top-k the drafters get anyway (no second pass over the logits).
+    output equals non-speculative decoding with the same choice; when it samples and the drafter draws
+    its drafts from draft laws (Drafter.draws), they are accepted by the multi-candidate rule
+    (backends.multi_candidate), whose output follows the same distribution. stop: called with the
+    sequence after every emitted token, in order; True ends the generation after that token (finish
+    reason "stop"). Plain greedy takes its choice from the top-k the drafters get anyway (no second
+    pass over the logits).
     """
     check_request(input_ids, max_new_tokens, program.cache_size, program.vocab_size, program.evicts)
     choice = choice if choice is not None else TargetChoice()
@@ -182,8 +188,12 @@ def generate(
     prefill_seconds = time.perf_counter() - started
     sizes = []
     steps: list[int] = []
-    sessions = program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft)
+    seed = choice.sampling.seed
+    sessions = program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft, seed)
     drafting = Drafting(sessions)
+    sampling = choice.sampling
+    by_rule = program.drafter.draws and sampling.do_sample and sampling.acceptance == "auto"
+    rng = np.random.default_rng([seed, 0x6D63]) if by_rule else None  # the rule's uniforms and residual draws
     finish = _finished(tokens, n_prompt, max_new_tokens, eos, stop is not None and stop(tokens))
 
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
@@ -207,9 +217,16 @@ def generate(
         else:
             logits, hidden = program.forward(torch.tensor(tree.tokens), layout)  # [T, V], [T, H]
         topk = logits.topk(top_k, dim=-1).indices.cpu()  # [T, k]
-        choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
+        if by_rule and len(tree) > 1:  # drawn drafts: the multi-candidate rule
+            processed = choice.processed(logits, tokens, tree.parents, tree.tokens)  # [T, V]
+            path, last = accept_drawn(tree, node_laws(processed), rng)
+            choices = topk[:, 0].clone()  # [T]: off the path, the drafters read the greedy token
+            choices[path[:-1]] = torch.tensor([tree.tokens[i] for i in path[1:]], dtype=torch.long)
+            choices[path[-1]] = last
+        else:
+            choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
+            path = accept_greedy(tree, choices.tolist())
         verified = TargetForward(topk, hidden, choices)
-        path = accept_greedy(tree, choices.tolist())
         cursor.commit(program, layout, path)
         new = [tree.tokens[i] for i in path[1:]] + [int(choices[path[-1]])]
         drafting.observe(tree, verified, path, tokens)

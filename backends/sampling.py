@@ -12,7 +12,10 @@ sample from the processed autoregressive distribution; and since all nodes of a 
 depth predict the same position, they share one noise vector, and the tokens the target picks
 along the accepted path are exactly the tokens non-speculative sampling with the same seed picks.
 Acceptance is then sample-and-match: descend to the child equal to the target's choice (the lossless
-rule for drafts without draft probabilities, and what every drafter here uses).
+rule for drafts without draft probabilities). Drafts drawn from a known draft law (drafters.Heads with
+a temperature) are accepted by the multi-candidate rule instead (backends.multi_candidate), which
+accepts more but emits tokens of its own: `Sampling.acceptance="match"` keeps sample-and-match for
+them too, and with it the equality to non-speculative sampling.
 
 Logits processors (temperature, top-k, top-p, min-p, and Hugging Face's processors such as the
 repetition penalty) are applied to each node with that node's own prefix: nodes are grouped by depth
@@ -31,6 +34,7 @@ import torch
 from specpass.errors import InvalidParameterError
 
 _MASK64 = (1 << 64) - 1
+ACCEPTANCE = ("auto", "match")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class Sampling:
     temperature > 0 divides the logits; top_k > 0 keeps the k likeliest tokens; top_p in (0, 1] keeps
     the smallest set whose probability reaches top_p; min_p in [0, 1) drops tokens below min_p times
     the likeliest one's probability (Hugging Face's warpers, in its order). seed keys the noise.
+    acceptance: "auto" accepts drawn drafts by the multi-candidate rule and every other draft by
+    sample-and-match; "match" uses sample-and-match everywhere, so the tokens equal non-speculative
+    sampling with the same seed whatever the drafter (module docstring).
     """
 
     do_sample: bool = False
@@ -48,6 +55,7 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    acceptance: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.do_sample, bool):
@@ -59,9 +67,12 @@ class Sampling:
         _check_number("min_p", self.min_p, lambda p: 0.0 <= p < 1.0, "a float in [0, 1)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 1 << 63:
             raise InvalidParameterError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if self.acceptance not in ACCEPTANCE:
+            raise InvalidParameterError(f"acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
         if not self.do_sample:
             fields = type(self).__dataclass_fields__
-            changed = [f for f in ("temperature", "top_k", "top_p", "min_p") if getattr(self, f) != fields[f].default]
+            changed = [f for f in ("temperature", "top_k", "top_p", "min_p", "acceptance")
+                       if getattr(self, f) != fields[f].default]  # fmt: skip
             if changed:
                 raise InvalidParameterError(
                     f"{', '.join(changed)}: only takes effect when sampling; pass do_sample=True, or drop it for greedy"
@@ -155,6 +166,19 @@ class TargetChoice:
         by default, after the last token of `tokens` alone; returns the chosen tokens [T] int64 (CPU)."""
         if self.plain_greedy:
             return logits.argmax(dim=-1).cpu()
+        scores, depths = self._processed(logits, tokens, parents, node_tokens)
+        if self.sampling.do_sample:
+            noise = torch.stack([position_noise(self.sampling.seed, len(tokens) + d, scores.shape[-1])
+                                 for d in range(max(depths) + 1)])  # fmt: skip  # [D, V]: one row per position
+            scores = scores + noise.to(scores.device)[torch.tensor(depths, device=scores.device)]  # -inf stays -inf
+        return scores.argmax(dim=-1).cpu()
+
+    def processed(self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] = (-1,),
+                  node_tokens: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+        """The processed logits [T, V] (float32; -inf: excluded) that the choice samples from."""
+        return self._processed(logits, tokens, parents, node_tokens)[0]
+
+    def _processed(self, logits, tokens, parents, node_tokens) -> tuple[torch.Tensor, list[int]]:
         node_tokens = node_tokens if node_tokens is not None else tokens[-1:]
         depths = [0] * len(parents)
         for i in range(1, len(parents)):
@@ -173,11 +197,7 @@ class TargetChoice:
             for rows in by_depth.values():  # one batch per depth: equal prefix lengths
                 ids = torch.tensor([prefixes[i] for i in rows], dtype=torch.long, device=scores.device)  # [n, L]
                 scores[rows] = processor(ids, scores[rows])
-        if self.sampling.do_sample:
-            noise = torch.stack([position_noise(self.sampling.seed, len(tokens) + d, scores.shape[-1])
-                                 for d in range(max(depths) + 1)])  # fmt: skip  # [D, V]: one row per position
-            scores = scores + noise.to(scores.device)[torch.tensor(depths, device=scores.device)]  # -inf stays -inf
-        return scores.argmax(dim=-1).cpu()
+        return scores, depths
 
 
 @functools.cache

@@ -98,7 +98,7 @@ class TruncatedDrafter(Drafter):
 
     depth: int = 3
 
-    def start(self, prompt, prefill, memory=None, draft=None):
+    def start(self, prompt, prefill, memory=None, draft=None, seed=0):
         if draft is None or draft.spec.kind != "truncated":
             raise specpass.InvalidParameterError("TruncatedDrafter needs TruncatedDraft in the pipeline")
         return TruncatedSession(self.depth, draft)

@@ -184,6 +184,20 @@ def test_sampling_on_ort_equals_plain_sampling_on_ort(default_export, cases):
     assert sum(taus) / len(taus) > 1.1  # drafts are accepted while sampling
 
 
+def test_drawn_heads_on_ort(default_export, cases):
+    """Heads drawn at T = 1 through ONNX Runtime: sample-and-match ("match") emits one-node sampling's
+    tokens; the multi-candidate rule gives the same tokens for the same seed and accepts drafts."""
+    plain = specpass.load_onnx(default_export, max_nodes=1)
+    program = specpass.load_onnx(default_export, drafter=specpass.drafters.Heads(tree="static", temperature=1.0))
+    ids, _ = cases[0]
+    settings = dict(do_sample=True, temperature=0.7, top_p=0.9, seed=5)
+    reference = specpass.generate(plain, ids, 48, **settings)
+    assert torch.equal(specpass.generate(program, ids, 48, acceptance="match", **settings).sequences, reference.sequences)
+    ruled = specpass.generate(program, ids, 48, **settings)
+    assert torch.equal(specpass.generate(program, ids, 48, **settings).sequences, ruled.sequences)
+    assert ruled.stats.tau > 1.1
+
+
 def test_cli_generate_on_ort(default_export, capsys):
     assert main(["generate", "--backend", "onnxrt", "--model", default_export, "--max-new-tokens", "24",
                  "--prompt", "Write a Python function that reverses a string."]) == 0  # fmt: skip

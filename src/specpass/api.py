@@ -42,6 +42,7 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     seed: int = 0,
+    acceptance: str = "auto",
 ) -> Generation:
     """Speculative generation; the tokens equal the model's plain decoding with the same settings.
 
@@ -49,12 +50,14 @@ def generate(
     or the defaults apply), or a program such as `load_onnx(...)`'s. eos_token_id defaults to the
     model's generation config. Greedy by default; do_sample=True samples after temperature, top_k,
     top_p and min_p (Hugging Face's warpers) with noise keyed by (seed, position), so the same seed
-    gives the same tokens with or without speculation (backends/sampling.py).
+    gives the same tokens with or without speculation (backends/sampling.py); drafts drawn from draft
+    laws (drafters.Heads(temperature=...)) are accepted by the multi-candidate rule instead, which
+    keeps the distribution but not the tokens, unless acceptance="match" (backends/multi_candidate.py).
     """
     check_prompt(input_ids)
     check_max_new_tokens(max_new_tokens)
     sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        seed=seed)  # fmt: skip
+                        seed=seed, acceptance=acceptance)  # fmt: skip
     program = compile_program(model, options)
     if eos_token_id is None:
         eos = program.eos_token_ids

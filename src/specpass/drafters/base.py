@@ -74,17 +74,26 @@ class Drafter(ABC):
         """How many of the target's top next tokens per position the drafter reads (`TargetForward.topk`)."""
         return 8
 
+    @property
+    def draws(self) -> bool:
+        """True when every candidate is drawn from a draft law (tree.Drawn): the decode loop then
+        accepts by the multi-candidate rule when it samples (backends.multi_candidate)."""
+        return False
+
     @abstractmethod
     def start(
-        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None
-    ) -> DraftSession:
+        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None,
+        seed: int = 0,
+    ) -> DraftSession:  # fmt: skip
         """prefill: the target's forward over the prompt; memory: what `new_memory` made, carried over
-        from earlier generations (None: start cold); draft: the program's draft graph, if it has one."""
+        from earlier generations (None: start cold); draft: the program's draft graph, if it has one;
+        seed: the generation's seed, for a drafter that draws its candidates at random."""
 
     def sessions(
-        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None
-    ) -> list[DraftSession]:
-        return [self.start(prompt, prefill, memory, draft)]
+        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None,
+        seed: int = 0,
+    ) -> list[DraftSession]:  # fmt: skip
+        return [self.start(prompt, prefill, memory, draft, seed)]
 
 
 @dataclass(frozen=True, init=False)
@@ -96,6 +105,12 @@ class Combined(Drafter):
     def __init__(self, *drafters: Drafter):
         if not drafters or not all(isinstance(d, Drafter) and not isinstance(d, Combined) for d in drafters):
             raise InvalidParameterError("Combined takes one or more non-combined Drafter objects")
+        if any(d.draws for d in drafters):
+            drawing = next(d for d in drafters if d.draws)
+            raise InvalidParameterError(
+                f"{drawing!r} draws its candidates at random and cannot share a tree: the multi-candidate rule "
+                "needs every child of a node drawn from one draft law (use it alone, or drop its temperature)"
+            )
         object.__setattr__(self, "drafters", tuple(drafters))
 
     def __repr__(self) -> str:
@@ -108,12 +123,12 @@ class Combined(Drafter):
     def target_topk(self) -> int:
         return max(d.target_topk for d in self.drafters)
 
-    def start(self, prompt, prefill, memory=None, draft=None):  # pragma: no cover - expanded by `sessions`
+    def start(self, prompt, prefill, memory=None, draft=None, seed=0):  # pragma: no cover - expanded by `sessions`
         raise TypeError("Combined drafters are started through sessions()")
 
-    def sessions(self, prompt, prefill, memory=None, draft=None) -> list[DraftSession]:
+    def sessions(self, prompt, prefill, memory=None, draft=None, seed=0) -> list[DraftSession]:
         memories = memory if memory is not None else (None,) * len(self.drafters)
-        return [d.start(prompt, prefill, m, draft) for d, m in zip(self.drafters, memories)]
+        return [d.start(prompt, prefill, m, draft, seed) for d, m in zip(self.drafters, memories)]
 
 
 class Drafting:

@@ -42,7 +42,7 @@ class PromptLookup(Drafter):
 
             raise InvalidParameterError(f"PromptLookup.min_ngram {self.min_ngram} > max_ngram {self.max_ngram}")
 
-    def start(self, prompt: Sequence[int], prefill, memory=None, draft=None) -> DraftSession:
+    def start(self, prompt: Sequence[int], prefill, memory=None, draft=None, seed=0) -> DraftSession:
         return PromptLookupSession(self)
 
 

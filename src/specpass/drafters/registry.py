@@ -16,6 +16,7 @@ DRAFTERS = {
     "token-recycling": TokenRecycling,
     "heads": Heads,  # draft heads, dynamic tree (needs DraftHeads in the pipeline)
     "heads-static": lambda: Heads(tree="static"),
+    "heads-drawn": lambda: Heads(tree="static", temperature=1.0),  # drawn at T = 1: the multi-candidate rule
     "heads-combined": lambda: Combined(Heads(), PromptLookup(), TokenRecycling()),
     "self-draft": SelfDraft,  # the model's first layers (needs EarlyExit in the pipeline)
 }

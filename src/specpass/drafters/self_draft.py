@@ -38,7 +38,7 @@ class SelfDraft(Drafter):
     def __post_init__(self):
         check_params("SelfDraft", depth=self.depth)
 
-    def start(self, prompt: Sequence[int], prefill, memory=None, draft: DraftModel | None = None) -> DraftSession:
+    def start(self, prompt: Sequence[int], prefill, memory=None, draft: DraftModel | None = None, seed=0) -> DraftSession:
         if draft is None or draft.spec.kind != EARLY_EXIT_KIND:
             raise InvalidParameterError("SelfDraft needs rewrites.EarlyExit in the pipeline (its draft graph)")
         return SelfDraftSession(self.depth, draft, prefill.hidden.device)

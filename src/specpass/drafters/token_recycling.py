@@ -66,7 +66,7 @@ class TokenRecycling(Drafter):
     def new_memory(self) -> SuccessorTable:
         return SuccessorTable(self.max_pairs)
 
-    def start(self, prompt: Sequence[int], prefill: TargetForward, memory=None, draft=None) -> DraftSession:
+    def start(self, prompt: Sequence[int], prefill: TargetForward, memory=None, draft=None, seed=0) -> DraftSession:
         table = memory if memory is not None else self.new_memory()
         return TokenRecyclingSession(self, prompt, prefill.topk, table)
 

@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 
@@ -23,12 +24,15 @@ class DraftTree:
     parents: tuple[int, ...]  # parents[0] == -1
     scores: tuple[float, ...]  # estimated probability that the node is accepted (root: 1.0)
     origins: tuple[tuple[int, Hashable] | None, ...]  # (source index, source key) that proposed each node
+    drawn: tuple[Drawn | None, ...] = ()  # per node: how it was drawn from a draft law (empty: none was)
 
     def __post_init__(self):
         if not self.tokens or self.parents[0] != -1:
             raise ValueError("a draft tree needs a root (parents[0] == -1)")
         if any(not 0 <= p < i for i, p in enumerate(self.parents[1:], start=1)):
             raise ValueError("every parent must precede its child")
+        if self.drawn and len(self.drawn) != len(self.tokens):
+            raise ValueError("drawn needs one entry per node")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -54,7 +58,8 @@ class DraftTree:
         return torch.frombuffer(bytearray().join(rows), dtype=torch.bool).view(n, n)
 
     def prefix(self, size: int) -> DraftTree:
-        return DraftTree(self.tokens[:size], self.parents[:size], self.scores[:size], self.origins[:size])
+        return DraftTree(self.tokens[:size], self.parents[:size], self.scores[:size], self.origins[:size],
+                         self.drawn[:size])  # fmt: skip
 
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
@@ -65,6 +70,27 @@ class DraftTree:
         return DraftTree(tuple(tokens), tuple(range(-1, n - 1)), (1.0,) * n, (None,) * n)
 
 
+@dataclass(frozen=True, eq=False)
+class DraftLaw:
+    """A draft distribution q over vocabulary ids that a node's candidates were drawn from."""
+
+    tokens: np.ndarray  # [D] int64 vocabulary ids
+    probs: np.ndarray  # [D] float64, q(tokens[j]); sums to 1
+
+
+class Drawn(NamedTuple):
+    """A candidate drawn from `law` without replacement: the `rank`-th draw, the law's entry `index`.
+
+    The multi-candidate rule (backends.multi_candidate) relies on a node's children being the first
+    draws of one law in draw order, and on the builder deciding to keep a draw without looking at
+    what was drawn: a drawn candidate's probability must not depend on its token (drafters.Heads
+    scores draws by their rank)."""
+
+    law: DraftLaw
+    rank: int
+    index: int
+
+
 class Candidate(NamedTuple):
     """One proposal of a source to the tree builder."""
 
@@ -72,6 +98,7 @@ class Candidate(NamedTuple):
     probability: float  # P(the token is accepted | its parent was accepted), as the source estimates it
     key: Hashable  # the source's stats key: the node's origin, credited with the verify step's outcome
     state: object  # hashable; handed back to child_candidates to continue from the node
+    drawn: Drawn | None = None  # set when the token was drawn from a draft law
 
 
 class CandidateSource(Protocol):
@@ -95,7 +122,7 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
     proposals, or crediting every proposer, made the scores overconfident on the CPU: the cost
     budget then grew trees past what pays (README, the decode loop).
     """
-    tokens, parents, scores, origins, depths = [root], [-1], [1.0], [None], [0]
+    tokens, parents, scores, origins, depths, drawn = [root], [-1], [1.0], [None], [0], [None]
     children: dict[tuple[int, int], int] = {}
     expanded: set[tuple[int, int, object]] = set()  # (node, source, state) already pushed
     heap: list = []
@@ -104,14 +131,14 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
     def push(parent: int, source: int, candidates: Sequence[Candidate]) -> None:
         if depths[parent] >= max_depth:
             return
-        for token, prob, key, state in candidates:
+        for token, prob, key, state, draw in candidates:
             if prob > 0.0:
-                heapq.heappush(heap, (-scores[parent] * prob, next(tie), parent, token, source, key, state))
+                heapq.heappush(heap, (-scores[parent] * prob, next(tie), parent, token, source, key, state, draw))
 
     for s, src in enumerate(sources):
         push(0, s, src.root_candidates())
     while heap and len(tokens) < max_nodes:
-        neg_score, _, parent, token, s, key, state = heapq.heappop(heap)
+        neg_score, _, parent, token, s, key, state, draw = heapq.heappop(heap)
         node = children.get((parent, token))
         if node is None:
             node = len(tokens)
@@ -121,10 +148,12 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
             scores.append(-neg_score)
             origins.append((s, key))
             depths.append(depths[parent] + 1)
+            drawn.append(draw)
         if (node, s, state) not in expanded:
             expanded.add((node, s, state))
             push(node, s, sources[s].child_candidates(token, state))
-    return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(origins))
+    drawn_nodes = tuple(drawn) if any(d is not None for d in drawn) else ()
+    return DraftTree(tuple(tokens), tuple(parents), tuple(scores), tuple(origins), drawn_nodes)
 
 
 def accept_greedy(tree: DraftTree, predictions: Sequence[int]) -> list[int]:
