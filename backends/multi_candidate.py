@@ -21,7 +21,9 @@ only come out of the residual; a child is tried at most once.
 Unlike sample-and-match with keyed noise (backends.sampling), the tokens are not those of
 non-speculative sampling with the same seed: the rule is proven by distribution tests
 (tests/test_multi_candidate.py). It accepts more: one drawn child is accepted with probability
-sum_v min(p, q)(v), against sum_v p(v) q(v) for sample-and-match. Runs are reproducible by seed.
+sum_v min(p, q)(v), against sum_v p(v) q(v) for sample-and-match. The tokens depend on the tree, so
+a run repeats for a seed only when the trees do: with a fixed budget (`budget=N`), not with the cost
+budget, whose tree sizes follow measured timings.
 
 Numerics: p and q are float64 on the host. A residual that rounds to zero mass (p = q up to
 rounding) keeps the previous p with the rejected tokens removed.

@@ -6,7 +6,7 @@ from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.self_draft import SelfDraft
 from specpass.drafters.token_recycling import TokenRecycling
-from specpass.drafters.tree import Candidate, DraftTree, accept_greedy, build_tree
+from specpass.drafters.tree import Candidate, DraftTree, DrawnCandidate, accept_greedy, build_tree
 
 
 def default_drafter() -> Drafter:
@@ -20,6 +20,7 @@ __all__ = [
     "DraftModel",
     "DraftSession",
     "DraftTree",
+    "DrawnCandidate",
     "Drafter",
     "Drafting",
     "Heads",

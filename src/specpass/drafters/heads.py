@@ -40,7 +40,7 @@ import torch
 
 from specpass.drafters.base import Drafter, DraftModel, DraftSession, TargetForward, check_params
 from specpass.drafters.stats import AcceptanceStats, ProbabilityCalibration
-from specpass.drafters.tree import Candidate, DraftLaw, Drawn, DraftTree
+from specpass.drafters.tree import Candidate, DraftLaw, Drawn, DrawnCandidate, DraftTree
 from specpass.errors import InvalidParameterError
 
 TREES = ("dynamic", "static")
@@ -195,9 +195,13 @@ class _Candidates:
         self.root_key = root_key
         self.by_path = by_path
 
-    def _list(self, key: tuple[int, ...]) -> list[Candidate]:
-        return [Candidate(token, score, stats_key, (*key, token) if self.by_path else (key[0] + 1,), drawn)
-                for token, score, stats_key, drawn in self.table.get(key, ())]  # fmt: skip
+    def _list(self, key: tuple[int, ...]) -> list[Candidate | DrawnCandidate]:
+        out = []
+        for token, score, stats_key, drawn in self.table.get(key, ()):
+            state = (*key, token) if self.by_path else (key[0] + 1,)
+            out.append(Candidate(token, score, stats_key, state) if drawn is None
+                       else DrawnCandidate(token, score, stats_key, state, drawn))  # fmt: skip
+        return out
 
     def root_candidates(self) -> list[Candidate]:
         return self._list(self.root_key)

@@ -98,7 +98,16 @@ class Candidate(NamedTuple):
     probability: float  # P(the token is accepted | its parent was accepted), as the source estimates it
     key: Hashable  # the source's stats key: the node's origin, credited with the verify step's outcome
     state: object  # hashable; handed back to child_candidates to continue from the node
-    drawn: Drawn | None = None  # set when the token was drawn from a draft law
+
+
+class DrawnCandidate(NamedTuple):
+    """A Candidate drawn from a draft law: the same four fields, then how it was drawn."""
+
+    token: int
+    probability: float  # a function of the draw's rank, never of its token (Drawn)
+    key: Hashable
+    state: object
+    drawn: Drawn
 
 
 class CandidateSource(Protocol):
@@ -131,7 +140,9 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
     def push(parent: int, source: int, candidates: Sequence[Candidate]) -> None:
         if depths[parent] >= max_depth:
             return
-        for token, prob, key, state, draw in candidates:
+        for candidate in candidates:  # Candidate, DrawnCandidate or a bare tuple of their fields
+            token, prob, key, state = candidate[:4]
+            draw = candidate[4] if len(candidate) > 4 else None
             if prob > 0.0:
                 heapq.heappush(heap, (-scores[parent] * prob, next(tie), parent, token, source, key, state, draw))
 
