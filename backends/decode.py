@@ -188,12 +188,11 @@ def generate(
     prefill_seconds = time.perf_counter() - started
     sizes = []
     steps: list[int] = []
-    seed = choice.sampling.seed
-    sessions = program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft, seed)
-    drafting = Drafting(sessions)
     sampling = choice.sampling
+    drafting = Drafting(program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft,
+                                                 sampling.seed))  # fmt: skip
     by_rule = program.drafter.draws and sampling.do_sample and sampling.acceptance == "auto"
-    rng = np.random.default_rng([seed, 0x6D63]) if by_rule else None  # the rule's uniforms and residual draws
+    rng = np.random.default_rng([sampling.seed, 0x6D63]) if by_rule else None  # the rule's uniforms and residual draws
     finish = _finished(tokens, n_prompt, max_new_tokens, eos, stop is not None and stop(tokens))
 
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
