@@ -27,6 +27,16 @@ from specpass.rewrites.tensor_parallel import TensorParallel
 
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
+# Each lowering's measured curve, per process, by (step_signature, sizes, kv_len): a step's cost is
+# a function of its graph and tensor shapes, not of its weights' values, so programs of the same model
+# (or of another with the same shapes) that differ only in drafter or budget measure once.
+_MEASURED_CURVES: dict[tuple, cost.CostCurve] = {}
+
+
+def step_signature(gm: torch.fx.GraphModule, device: torch.device) -> tuple:
+    """What a lowered step's cost depends on: its code, its tensors' names, shapes and dtypes, the device."""
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in [*gm.named_parameters(), *gm.named_buffers()])
+    return gm.code, tensors, str(device)
 
 
 @dataclass(frozen=True)
@@ -197,8 +207,11 @@ class SpeculativeProgram(DecodeProgram):
         measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= min(kv_len, self.max_step or kv_len)})
         curves = {}
         for kind in run.kinds:
-            with run.pinned(kind):
-                curves[kind] = super().measure_cost(measured, kv_len)
+            key = (step_signature(run.steps[kind].gm, self.device), tuple(measured), kv_len)
+            if key not in _MEASURED_CURVES:
+                with run.pinned(kind):
+                    _MEASURED_CURVES[key] = super().measure_cost(measured, kv_len)
+            curves[kind] = _MEASURED_CURVES[key]
         return run.choose(curves).subset(sizes)
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
