@@ -15,7 +15,6 @@ checked against one-node sampling with the same seed. Writes multi-candidate-<de
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 
@@ -28,14 +27,6 @@ from specpass.drafters import Heads
 from specpass.rewrites import DraftHeads, TreeAttention
 
 SETTINGS = {"T1.0": dict(do_sample=True, temperature=1.0), "T0.7-top-p0.9": dict(do_sample=True, temperature=0.7, top_p=0.9)}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
@@ -95,7 +86,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
             gain = rule["tokens_per_step"] / match["tokens_per_step"] - 1
             r[f"{kind}_rule_gain_tokens_per_step@{setting}"] = round(gain, 3)
             print(f"{set_name} {kind} {setting}: multi-candidate rule {gain:+.1%} tokens per step over sample-and-match", flush=True)
-    report = {**run_identity(torch.device("cpu")), "cpu": _cpu_name(), "threads": torch.get_num_threads(),
+    report = {**run_identity(torch.device("cpu")),
               "max_new_tokens": max_new_tokens, "prompts_per_set": prompts_per_set,
               "drafts": "Heads(tree='static', temperature=1.0) / Heads(tree='static'), cost budget",
               "seed": "prompt index", "results": results}  # fmt: skip

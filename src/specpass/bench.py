@@ -57,21 +57,44 @@ EARLY_EXIT_LAYER = 8
 CODE_OFFSET = 120  # evaluation prompts: HumanEval 120.. (the tests use 0..), chat: stdlib docstrings
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), e.g. "AMD EPYC" or "Intel(R) Xeon(R) Platinum 8481C"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def device_label(device: torch.device) -> str:
+    """The GPU's name, or cpu-<cores>core-<machine>-<vendor and family>, e.g. cpu-2core-x86_64-amd-epyc:
+    CPU machines differ from session to session, and results name the one they ran on."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu-{os.cpu_count()}core-{platform.machine()}"
+    family = "-".join(re.sub(r"\(r\)|\(tm\)|cpu|processor", " ", cpu_name().lower()).split()[:2])
+    return f"cpu-{os.cpu_count()}core-{platform.machine()}" + (f"-{family}" if family else "")
 
 
 def run_identity(device: torch.device) -> dict:
     """What a results file says about the run: device, date, library versions, model, dtype."""
     return {
         "device": device_label(device),
+        **({"cpu": cpu_name(), "threads": torch.get_num_threads()} if device.type == "cpu" else {}),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "model": specpass.models.DEFAULT_MODEL_NAME,
         "dtype": "float32",
+    }
+
+
+def evaluation_sets(prompts_per_set: int, max_new_tokens: int) -> dict:
+    """What a results file says about the benchmark's evaluation prompts."""
+    return {
+        "prompts_per_set": prompts_per_set,
+        "max_new_tokens": max_new_tokens,
+        "prompt_sets": {"code": f"HumanEval[{CODE_OFFSET}:{CODE_OFFSET + prompts_per_set}] raw",
+                        "chat": f"stdlib docstring summaries [0:{prompts_per_set}], chat template"},  # fmt: skip
     }
 
 
@@ -276,10 +299,7 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
     curves, kernels = _cost_curves(model, device, skipped)
     report = {
         **run_identity(device),
-        "prompts_per_set": prompts_per_set,
-        "max_new_tokens": max_new_tokens,
-        "prompt_sets": {"code": f"HumanEval[{CODE_OFFSET}:{CODE_OFFSET + prompts_per_set}] raw",
-                        "chat": f"stdlib docstring summaries [0:{prompts_per_set}], chat template"},  # fmt: skip
+        **evaluation_sets(prompts_per_set, max_new_tokens),
         "notes": NOTES,
         "skipped": skipped,
         "results": results,
