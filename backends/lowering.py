@@ -10,6 +10,7 @@ import torch.fx
 
 from specpass.backends import onednn
 from specpass.backends.eager import EagerStep
+from specpass.backends.gguf_lowering import gguf_planes, pack_gguf_linears
 from specpass.backends.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
 from specpass.ir.draft import draft_graph, resume_graph
@@ -18,12 +19,15 @@ from specpass.ir.draft import draft_graph, resume_graph
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The lowerings to build, the last one the default. `auto` -> cudagraphs on CUDA; on a CPU that
     has oneDNN (float32) both eager and onednn, each call running the one measured faster at its tree
-    size (backends.per_size); else eager.
+    size (backends.per_size); else eager. `gguf` -> the GGUF kernels (backends.gguf_lowering) beside the
+float32 kernel, each tree size on the faster one.
 
     `inductor` is opt-in on CUDA: its replays beat the FX step's at every tree size measured on an H100
     (SmolLM2-135M bf16 1.72 against 2.95 ms a one-token replay, float32 2.10 against 3.30, an 8B-shaped
     model 8.12 against 8.62), but its compile takes one to two minutes per program and its losslessness
     on the real model has not yet run on a GPU (docs/experiments.md, "GPU step")."""
+    if lowering == "gguf":  # the quantized kernels, and float32 where a tree size runs faster on them
+        return ("onednn" if onednn.available(device, dtype) else "eager", "gguf")
     if lowering != "auto":
         return (lowering,)
     if device.type == "cuda":
@@ -36,26 +40,37 @@ def lower(
 ) -> tuple[Callable, EagerStep | None, EagerStep | None]:
     """(the lowered verify step, the lowered draft graph or None, the lowered resume graph or None).
     The side graphs (ir.draft) run eagerly, on oneDNN-packed weights on a CPU (sharing the verify
-    step's packed weights: its LM head, and for a resume graph its layers)."""
+    step's packed weights: its LM head, and for a resume graph its layers), and on the GGUF planes
+    where the lowering is `gguf`."""
     kinds = resolve_lowering(lowering, device, gm.k_cache.dtype)
     packed: dict = {}  # oneDNN-packed weights, shared by the graphs lowered here
-    steps = {kind: _lower_one(gm, kind, device, max_nodes, cache_size, packed) for kind in kinds}
-    draft, resume = (_lower_side(g, packed) for g in (draft_graph(gm), resume_graph(gm)))
+    planes = gguf_planes(gm) if "gguf" in kinds else {}  # GGUF int4 planes, shared likewise
+    steps = {kind: _lower_one(gm, kind, device, max_nodes, cache_size, packed, planes) for kind in kinds}
+    draft, resume = (_lower_side(g, packed, planes) for g in (draft_graph(gm), resume_graph(gm)))
     if len(steps) == 1:
         return steps[kinds[0]], draft, resume
     return FastestPerSize(steps, default=kinds[-1]), draft, resume
 
 
-def _lower_side(graph: torch.fx.GraphModule | None, packed: dict) -> EagerStep | None:
+def _lower_side(graph: torch.fx.GraphModule | None, packed: dict, planes: dict) -> EagerStep | None:
     if graph is None:
         return None
-    return EagerStep(onednn.pack_linears(graph, packed), kind="onednn") if packed else EagerStep(graph)
+    if planes:
+        graph = pack_gguf_linears(graph, planes)
+    if packed:
+        graph = onednn.pack_linears(graph, packed)
+    return EagerStep(graph, kind="gguf" if planes else "onednn" if packed else "eager")
 
 
 def _lower_one(gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int,
-               packed: dict) -> Callable:  # fmt: skip
+               packed: dict, planes: dict) -> Callable:  # fmt: skip
     if lowering == "eager":
         return EagerStep(gm)
+    if lowering == "gguf":  # the linears without GGUF blocks run on oneDNN where it is available
+        graph = pack_gguf_linears(gm, planes)
+        if onednn.available(device, gm.k_cache.dtype):
+            graph = onednn.pack_linears(graph, packed)
+        return EagerStep(graph, kind="gguf")
     if lowering == "onednn":
         if not onednn.available(device, gm.k_cache.dtype):
             raise InvalidParameterError(

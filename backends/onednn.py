@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.ir import copy_step
+from specpass.ir import copy_step, replace_node
 
 LINEAR_OP = "mkldnn._linear_pointwise"
 
@@ -67,11 +67,7 @@ def pack_linears(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | Non
             linear = graph.call_function(
                 torch.ops.mkldnn._linear_pointwise, (node.args[0], weight_node, bias_node, "none", [], "")
             )
-        for new in (weight_node, bias_node, linear):
-            if new is not None:
-                new.meta.update(node.meta)
-        node.replace_all_uses_with(linear)
-        graph.erase_node(node)
+        replace_node(node, linear, (weight_node, bias_node, linear))
     graph.lint()
     lowered.recompile()
     return lowered

@@ -10,7 +10,7 @@ from specpass.errors import InvalidParameterError
 from specpass.passes import Pipeline
 from specpass.rewrites import TreeAttention
 
-LOWERINGS = ("auto", "eager", "onednn", "inductor", "cudagraphs")
+LOWERINGS = ("auto", "eager", "onednn", "gguf", "inductor", "cudagraphs")
 
 
 def check_budget(budget) -> None:
@@ -25,7 +25,8 @@ def default_pipeline() -> Pipeline:
 @dataclass(frozen=True)
 class CompileOptions:
     """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
-    lowering: eager, onednn (float32 on CPU), inductor (TorchInductor; replayed in CUDA graphs on
+    lowering: eager, onednn (float32 on CPU), gguf (the linears read the quantized blocks of the GGUF
+    file the model was loaded from, on a CPU; not float32-exact: backends/gguf_lowering.py), inductor (TorchInductor; replayed in CUDA graphs on
     CUDA), cudagraphs (the FX step in CUDA graphs) or auto (cudagraphs on CUDA; on a CPU
     with oneDNN both eager and onednn, each tree size run on the one its measured cost curve says is
     faster; else eager);

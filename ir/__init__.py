@@ -4,7 +4,7 @@ ir/ is the bottom layer: it imports nothing from passes/, rewrites/ or backends/
 """
 
 from specpass.ir.arch import ArchSpec, arch_spec
-from specpass.ir.capture import arch_of, capture, copy_step, is_captured_step, model_parts
+from specpass.ir.capture import arch_of, capture, copy_step, is_captured_step, model_parts, replace_node
 from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, draft_spec
 from specpass.ir.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of
 from specpass.ir.layout import SlotLayout
@@ -25,6 +25,7 @@ __all__ = [
     "arch_spec",
     "capture",
     "copy_step",
+    "replace_node",
     "draft_graph",
     "draft_spec",
     "family_of",

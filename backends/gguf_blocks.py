@@ -1,0 +1,136 @@
+"""The quantized blocks of a GGUF file, matched to the linear layers of a captured decode step.
+
+Format. GGUF stores a linear weight [N, K] (N outputs, K inputs) row by row, in blocks of 32
+consecutive inputs, each block with float16 constants:
+
+    Q4_0  w = d * (q - 8)   q in 0..15
+    Q4_1  w = d * q + m     q in 0..15
+    Q8_0  w = d * q         q in -128..127
+
+Here every weight is read as codes [N, K] with per-block `scale` and `offset` [N, K/32] (float32,
+holding the float16 values exactly): w = scale * code + offset.
+
+Matching. A step's `nn.Linear` call_module targets are Hugging Face names (`layers.3.mlp.down_proj`);
+gguf's own name map turns them into GGUF names (`blk.3.ffn_down`). A tied LM head has no `output`
+tensor and reads `token_embd`, as llama.cpp does. transformers permutes the rows of llama q/k
+weights when it loads a GGUF (rotary layout); the same row permutation, taken from transformers'
+own tensor processor, is applied to the codes and constants.
+
+Invariant. A weight's blocks are used only when, de-quantized in float32 the way transformers'
+GGUF loader does it (d * q + m), they equal the module's float32 weight bit for bit. So the blocks
+are exactly the weights the float32 model runs, whatever the mapping did; a weight that does not
+match (another file, weights changed since loading, an unsupported block type) is reported and
+left to the float32 kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.fx
+from torch import nn
+
+from specpass.errors import InvalidParameterError
+
+BLOCK = 32
+# block type name -> bytes per block (float16 constants, then the codes)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """One linear weight as GGUF blocks: w[n, k] = scale[n, k // 32] * codes[n, k] + offset[n, k // 32]."""
+
+    kind: str  # "Q4_0", "Q4_1" or "Q8_0"
+    codes: torch.Tensor  # [N, K] int16: 0..15 (Q4_*) or -128..127 (Q8_0)
+    scale: torch.Tensor  # [N, K / 32] float32 (float16 values)
+    offset: torch.Tensor  # [N, K / 32] float32 (float16 values; Q4_0: -8 d; Q8_0: 0)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, computed as transformers' GGUF loader computes it (d * q + m)."""
+        scale = self.scale.repeat_interleave(BLOCK, dim=1)
+        offset = self.offset.repeat_interleave(BLOCK, dim=1)
+        if self.kind == "Q4_0":  # d * (q - 8): exact, as is d * q - 8 d
+            return scale * (self.codes - 8).float()
+        return scale * self.codes.float() + offset
+
+
+@dataclass(frozen=True)
+class MatchedBlocks:
+    """The blocks matched to a step's linears, and why each other linear was left to float32."""
+
+    weights: dict[str, BlockWeight]  # call_module target -> its blocks
+    unmatched: dict[str, str]  # call_module target -> the reason
+
+
+def parse_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> BlockWeight:
+    """A BlockWeight from GGUF's raw bytes [rows, cols / 32 * bytes per block] (uint8)."""
+    if kind not in BLOCK_BYTES:
+        raise InvalidParameterError(f"GGUF block type {kind} is not supported; supported: {sorted(BLOCK_BYTES)}")
+    if cols % BLOCK:
+        raise InvalidParameterError(f"a {kind} weight needs a multiple of {BLOCK} inputs, got {cols}")
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, BLOCK_BYTES[kind])  # [N, K/32, bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    if kind == "Q8_0":
+        codes = blocks[..., 2:].copy().view(np.int8).astype(np.int16)  # [N, K/32, 32]
+        offset = np.zeros_like(d)
+    else:
+        start = 4 if kind == "Q4_1" else 2
+        packed = blocks[..., start:]  # [N, K/32, 16]: low nibbles are inputs 0..15, high nibbles 16..31
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int16)  # [N, K/32, 32]
+        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else -8 * d
+    return BlockWeight(kind, torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(d),
+                       torch.from_numpy(np.ascontiguousarray(offset)))  # fmt: skip
+
+
+def match_blocks(path: str, gm: torch.fx.GraphModule, num_heads: int, num_kv_heads: int) -> MatchedBlocks:
+    """The GGUF blocks of every `nn.Linear` the step calls (see the module docstring)."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields["general.architecture"]
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    archs = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch_name not in archs:
+        raise InvalidParameterError(f"{path}: gguf does not know the architecture {arch_name!r}")
+    tensors = {t.name: t for t in reader.tensors}
+    layers = 1 + max((int(name.split(".")[1]) for name in tensors if name.startswith("blk.")), default=-1)
+    names = gguf.get_tensor_name_map(archs[arch_name], layers)
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(
+        config={"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads}
+    )
+    weights: dict[str, BlockWeight] = {}
+    unmatched: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.target in weights or node.target in unmatched:
+            continue
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, nn.Linear):
+            continue
+        gguf_name = names.get_name(node.target)
+        if gguf_name == "output" and "output.weight" not in tensors:
+            gguf_name = "token_embd"  # a tied LM head
+        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
+        if tensor is None:
+            unmatched[node.target] = "no GGUF tensor of that name"
+            continue
+        kind = tensor.tensor_type.name
+        if kind not in BLOCK_BYTES:
+            unmatched[node.target] = f"block type {kind} (supported: {', '.join(sorted(BLOCK_BYTES))})"
+            continue
+        rows, cols = module.weight.shape
+        if tuple(int(n) for n in reversed(tensor.shape)) != (rows, cols):  # GGUF lists shapes inner-first
+            unmatched[node.target] = f"{tensor.name} is {list(reversed(tensor.shape.tolist()))}, the weight {[rows, cols]}"
+            continue
+        blocks = parse_blocks(kind, tensor.data, rows, cols)
+        order = processor.process(weights=np.arange(rows)[:, None], name=tensor.name).weights[:, 0]
+        blocks = BlockWeight(kind, *(part[torch.from_numpy(np.ascontiguousarray(order))]
+                                     for part in (blocks.codes, blocks.scale, blocks.offset)))  # fmt: skip
+        if not torch.equal(blocks.dequantize(), module.weight.detach().float()):
+            unmatched[node.target] = f"{tensor.name} de-quantized differs from the weight"
+            continue
+        weights[node.target] = blocks
+    return MatchedBlocks(weights, unmatched)

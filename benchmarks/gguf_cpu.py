@@ -1,0 +1,178 @@
+"""specpass on the GGUF lowering against llama.cpp on the same GGUF file, same machine, same run.
+
+    python benchmarks/gguf_cpu.py [--prompts 12] [--max-new-tokens 128] [--out benchmarks/results]
+
+Rows (greedy, 128 new tokens, the benchmark's evaluation prompts: HumanEval[120:], raw, and chat
+summaries [0:], chat template; every row the same prompts, the same thread count):
+  hf_greedy                 transformers float32 greedy (the reference of every agreement count)
+  specpass_float32          specpass's default (combined tree, cost budget, `auto` float32 lowering)
+  specpass_gguf             the same drafter and budget on lowering="gguf" (backends/gguf_lowering.py)
+  specpass_gguf_one_token   lowering="gguf" without speculation (budget 1)
+  llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty)
+  llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens)
+Reported per row and set: tokens/s (prefill included), the prefill's share, tau where known, outputs
+identical to HF float32 greedy, and at each first divergence the reference's top-2 logit gap.
+Writes gguf-cpu-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import specpass
+from specpass import prompts as P
+from specpass.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
+from specpass.models import GGUF_FILE, default_model_dir
+
+
+def _llama(threads: int, prompt_lookup: bool):
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if prompt_lookup else None
+    return Llama(model_path=os.path.join(default_model_dir(), GGUF_FILE), n_ctx=2048, n_threads=threads,
+                 n_threads_batch=threads, draft_model=draft, verbose=False, seed=0)  # fmt: skip
+
+
+def _llama_runner(llm, eos: set[int]):
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        llm.reset()  # no reuse of an earlier prompt's cache
+        new: list[int] = []
+        t0 = time.perf_counter()
+        first = None
+        for token in llm.generate(ids[0].tolist(), temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            first = first or time.perf_counter()
+            if token in eos:
+                break
+            new.append(token)
+            if len(new) == max_new_tokens:
+                break
+        seconds = time.perf_counter() - t0
+        sequence = torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1)
+        return sequence, len(new), None, seconds, (first or t0) - t0
+
+    return run
+
+
+def _specpass_runner(program):
+    if program.budget == "cost":
+        program.cost_curve  # measured before timing
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        out = specpass.generate(program, ids, max_new_tokens)
+        s = out.stats
+        return out.sequences, s.new_tokens, s.target_forwards, s.seconds, s.prefill_seconds
+
+    return run
+
+
+def _hf_runner(model):
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        seconds = time.perf_counter() - t0
+        new = out.shape[1] - ids.shape[1]
+        return out, new, new, seconds, None
+
+    return run
+
+
+def _divergence_gap(model, sequence: torch.Tensor, reference: torch.Tensor) -> dict | None:
+    """None where `sequence` equals `reference`; else where it first differs and the float32 model's
+    top-2 logit gap there (a near-tie when small)."""
+    length = min(sequence.shape[1], reference.shape[1])
+    different = (sequence[0, :length] != reference[0, :length]).nonzero()
+    if not len(different):
+        return None if sequence.shape[1] == reference.shape[1] else {"at": length, "gap": None}
+    at = int(different[0])
+    with torch.no_grad():
+        top2 = model(reference[:, :at]).logits[0, -1].topk(2).values
+    return {"at": at, "gap": round(float(top2[0] - top2[1]), 5)}
+
+
+def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    model, tokenizer = specpass.load_default_model()
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])  # fmt: skip
+    runners = {
+        "hf_greedy": _hf_runner(model),
+        "specpass_float32": _specpass_runner(specpass.compile_program(model)),
+        "specpass_gguf": _specpass_runner(specpass.compile_program(model, {"lowering": "gguf"})),
+        "specpass_gguf_one_token": _specpass_runner(specpass.compile_program(model, {"lowering": "gguf", "budget": 1})),
+        "llama_cpp": _llama_runner(_llama(threads, prompt_lookup=False), eos),
+        "llama_cpp_prompt_lookup": _llama_runner(_llama(threads, prompt_lookup=True), eos),
+    }
+    sets = {
+        "code": [P.encode_code(tokenizer, p) for p in P.code_prompts(prompts_per_set, CODE_OFFSET)],
+        "chat": [P.encode_chat(tokenizer, m) for m in P.chat_messages(prompts_per_set, 0)],
+    }
+    warm = P.encode_chat(tokenizer, [{"role": "user", "content": "Name three colours."}])
+    for run_one in runners.values():
+        run_one(warm, 16)
+    results = {}
+    for set_name, prompt_ids in sets.items():
+        totals = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "prefill_seconds": 0.0, "identical": 0,
+                         "divergences": []} for name in runners}  # fmt: skip
+        for index, ids in enumerate(prompt_ids):
+            reference = None
+            for name, run_one in runners.items():
+                sequence, tokens, forwards, seconds, prefill = run_one(ids, max_new_tokens)
+                row = totals[name]
+                row["tokens"] += tokens
+                row["forwards"] = None if forwards is None or row["forwards"] is None else row["forwards"] + forwards
+                row["seconds"] += seconds
+                row["prefill_seconds"] += prefill or 0.0
+                if name == "hf_greedy":
+                    reference = sequence
+                    row["identical"] += 1
+                    continue
+                divergence = _divergence_gap(model, sequence, reference)
+                if divergence is None:
+                    row["identical"] += 1
+                else:
+                    row["divergences"].append({"prompt": index, **divergence, "at": divergence["at"] - ids.shape[1]})
+        llama_rate = totals["llama_cpp"]["tokens"] / totals["llama_cpp"]["seconds"]
+        results[set_name] = {
+            name: {
+                "tokens": row["tokens"], "seconds": round(row["seconds"], 3),
+                "tokens_per_second": round(row["tokens"] / row["seconds"], 2),
+                "vs_llama_cpp": round(row["tokens"] / row["seconds"] / llama_rate, 3),
+                "prefill_share": round(row["prefill_seconds"] / row["seconds"], 3),
+                "tau": round(row["tokens"] / row["forwards"], 3) if row["forwards"] else None,
+                "identical_to_hf_float32_greedy": f"{row['identical']}/{len(prompt_ids)}",
+                "divergences": row["divergences"],
+            }
+            for name, row in totals.items()
+        }  # fmt: skip
+        for name, row in results[set_name].items():
+            print(f"{set_name:5s} {name:26s} {row['tokens_per_second']:7.2f} tok/s  x{row['vs_llama_cpp']:.2f} llama.cpp"
+                  f"  prefill {row['prefill_share']:.0%}  identical {row['identical_to_hf_float32_greedy']}", flush=True)
+    report = {
+        **run_identity(torch.device("cpu")),
+        **evaluation_sets(prompts_per_set, max_new_tokens),
+        "results": results,
+    }
+    path = write_report(report, out_dir, prefix="gguf-")
+    print(f"wrote {path}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    run(args.prompts, args.max_new_tokens, args.out, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The GGUF lowering: block parsing, the int4 planes against the de-quantized float32 linear, matching
+the default model's GGUF file, refusals, and greedy output against float32 (near-ties only)."""
+
+import collections
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import specpass
+from specpass.backends.gguf_blocks import BLOCK, match_blocks, parse_blocks
+from specpass.backends.gguf_lowering import NEAR_TIE_LOGITS, available, gguf_linear, gguf_source, planes_of
+from specpass.errors import InvalidParameterError
+from specpass.ir import arch_of, capture
+from tests.conftest import tiny_model
+
+needs_kernel = pytest.mark.skipif(
+    not available(torch.device("cpu"), torch.float32), reason="this torch build has no int4 CPU kernel"
+)
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+UNIT = 2.0**-8  # bfloat16's unit roundoff: the lowering rounds activations, the constants and its output to it
+
+
+def random_blocks(kind: str, rows: int = 96, cols: int = 128, seed: int = 0):
+    """(BlockWeight, gguf's own de-quantization [rows, cols]) of random weights quantized by gguf."""
+    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    weights[0, :BLOCK] = 0.0  # an all-zero block (scale 0)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(weights, qtype)  # [rows, cols / 32 * bytes] uint8
+    return parse_blocks(kind, raw, rows, cols), gguf.quants.dequantize(raw, qtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parsed_blocks_dequantize_as_gguf_does(kind):
+    blocks, reference = random_blocks(kind)
+    assert blocks.codes.shape == (96, 128) and blocks.scale.shape == (96, 128 // BLOCK)
+    low, high = (0, 15) if kind.startswith("Q4") else (-128, 127)
+    assert low <= int(blocks.codes.min()) and int(blocks.codes.max()) <= high
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(reference))  # bit for bit
+
+
+def test_unsupported_block_type_is_refused():
+    with pytest.raises(InvalidParameterError, match="Q5_K is not supported; supported"):
+        parse_blocks("Q5_K", np.zeros((1, 176), np.uint8), 1, 256)
+    with pytest.raises(InvalidParameterError, match="multiple of 32"):
+        parse_blocks("Q4_1", np.zeros((1, 20), np.uint8), 1, 48)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_int4_planes_equal_the_dequantized_linear(kind, tokens):
+    """gguf_linear = x @ W^T within bfloat16 rounding: |error| <= 4 u (|x| @ |W|^T + |x| @ |Z|^T), u = 2^-8,
+    Z the kernel's per-block zero (its rounding, for Q4_1); the bound is below the error a wrong
+    scale, zero, code order or plane split makes (checked: swapped block halves are caught)."""
+    blocks, _ = random_blocks(kind, seed=tokens)
+    weight = blocks.dequantize()  # [N, K]
+    x = torch.randn(2, tokens, weight.shape[1])  # [2, T, K]
+    bias = torch.randn(weight.shape[0])
+    planes = planes_of(blocks)
+    assert len(planes) == (2 if kind == "Q8_0" else 1)
+    out = gguf_linear(x, tuple(p for p, _ in planes), tuple(s for _, s in planes), bias)
+    assert out.shape == (2, tokens, weight.shape[0]) and out.dtype == torch.float32
+    reference = x @ weight.T + bias
+    zero = (blocks.offset + 8 * blocks.scale).abs().repeat_interleave(BLOCK, 1) if kind == "Q4_1" else 0 * weight
+    bound = 4 * UNIT * (x.abs() @ weight.abs().T + x.abs() @ zero.T) + 1e-6
+    assert ((out - reference).abs() <= bound).all()
+    rows, cols = blocks.codes.shape  # the classic layout bug: a block's two halves of 16 codes swapped
+    swapped = blocks.codes.view(rows, cols // BLOCK, 2, BLOCK // 2).flip(2).reshape(rows, cols)
+    wrong = planes_of(type(blocks)(blocks.kind, swapped, blocks.scale, blocks.offset))
+    broken = gguf_linear(x, tuple(p for p, _ in wrong), tuple(s for _, s in wrong), bias)
+    assert ((broken - reference).abs() > bound).float().mean() > 0.5
+
+
+def test_lowering_refuses_a_model_without_gguf_blocks():
+    model = tiny_model("llama")
+    with pytest.raises(InvalidParameterError, match="load it with specpass.load_model"):
+        specpass.compile_program(model, {"lowering": "gguf", "budget": 4})
+    with pytest.raises(InvalidParameterError, match="lowering"):
+        specpass.compile_program(model, {"lowering": "q4"})
+
+
+@pytest.fixture(scope="module")
+def matched(default_model):
+    model, _ = default_model
+    gm = capture(model, cache_size=64)
+    arch = arch_of(gm)
+    return model, gm, match_blocks(gguf_source(gm), gm, arch.num_heads, arch.num_kv_heads)
+
+
+def test_default_model_blocks_equal_every_linear_weight(matched):
+    """Every linear of the default model, q/k (row-permuted by transformers) and the tied LM head
+    (token_embd, Q8_0) included, matches its GGUF blocks bit for bit."""
+    _, gm, blocks = matched
+    linears = {n.target for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), torch.nn.Linear)}
+    assert set(blocks.weights) == linears and not blocks.unmatched
+    assert collections.Counter(b.kind for b in blocks.weights.values()) == {"Q4_1": 210, "Q8_0": 1}
+    assert blocks.weights["lm_head"].kind == "Q8_0"
+
+
+def test_a_weight_changed_after_loading_is_left_to_float32(matched):
+    model, gm, _ = matched
+    weight = gm.get_submodule("layers.2.mlp.up_proj").weight
+    old = weight[5, 9].clone()
+    with torch.no_grad():
+        weight[5, 9] = old + 0.125
+    try:
+        arch = arch_of(gm)
+        blocks = match_blocks(gguf_source(gm), gm, arch.num_heads, arch.num_kv_heads)
+    finally:
+        with torch.no_grad():
+            weight[5, 9] = old
+    assert set(blocks.unmatched) == {"layers.2.mlp.up_proj"}
+    assert "de-quantized differs" in blocks.unmatched["layers.2.mlp.up_proj"]
+    assert len(blocks.weights) == 210
+
+
+def first_difference(tokens: torch.Tensor, other: torch.Tensor) -> int | None:
+    """The first position where two [1, S] sequences differ (None: equal). They stop at EOS or at the
+    same length limit, so equal up to the shorter length means equal."""
+    length = min(tokens.shape[1], other.shape[1])
+    different = (tokens[0, :length] != other[0, :length]).nonzero()
+    assert len(different) or tokens.shape == other.shape
+    return int(different[0]) if len(different) else None
+
+
+@needs_kernel
+def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases):
+    """Speculative greedy on the GGUF lowering against HF float32 greedy (the `cases` fixture) and
+    against the lowering's own one-token greedy: where the tokens first differ, the float32 model's
+    top-2 logit gap is within NEAR_TIE_LOGITS and the token taken is its runner-up."""
+    model, _ = default_model
+    program = specpass.compile_program(model, {"lowering": "gguf", "budget": 8})
+    one_node = specpass.compile_program(model, {"lowering": "gguf", "budget": 1})
+    assert program.step.run.kinds == ("onednn", "gguf") and program.step.run.kind_for(8) == "gguf"
+    for ids, reference in (cases[0], cases[3]):  # a code prompt and a chat prompt
+        new = reference.shape[1] - ids.shape[1]
+        tokens = specpass.generate(program, ids, new).sequences
+        alone = specpass.generate(one_node, ids, new).sequences
+        for other in (reference, alone):
+            at = first_difference(tokens, other)
+            if at is None:
+                continue
+            assert at >= ids.shape[1]
+            with torch.no_grad():
+                logits = model(other[:, :at]).logits[0, -1]  # [V] float32
+            top2 = logits.topk(2)
+            assert {int(tokens[0, at]), int(other[0, at])} == set(top2.indices.tolist())
+            gap = float(top2.values[0] - top2.values[1])
+            assert gap <= NEAR_TIE_LOGITS, f"divergence at token {at - ids.shape[1]} with a top-2 gap of {gap:.4f}"
