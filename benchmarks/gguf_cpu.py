@@ -10,7 +10,8 @@ summaries [0:], chat template; every row the same prompts, the same thread count
   specpass_gguf_one_token   lowering="gguf" without speculation (budget 1)
   llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty)
   llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens)
-Reported per row and set: tokens/s (prefill included), the prefill's share, tau where known, outputs
+Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
+first token; HF: not measured), tau where known, outputs
 identical to HF float32 greedy, and at each first divergence the reference's top-2 logit gap.
 Writes gguf-cpu-<device>.json.
 """
@@ -127,7 +128,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                 row["tokens"] += tokens
                 row["forwards"] = None if forwards is None or row["forwards"] is None else row["forwards"] + forwards
                 row["seconds"] += seconds
-                row["prefill_seconds"] += prefill or 0.0
+                row["prefill_seconds"] = None if prefill is None else row["prefill_seconds"] + prefill
                 if name == "hf_greedy":
                     reference = sequence
                     row["identical"] += 1
@@ -143,7 +144,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                 "tokens": row["tokens"], "seconds": round(row["seconds"], 3),
                 "tokens_per_second": round(row["tokens"] / row["seconds"], 2),
                 "vs_llama_cpp": round(row["tokens"] / row["seconds"] / llama_rate, 3),
-                "prefill_share": round(row["prefill_seconds"] / row["seconds"], 3),
+                "prefill_share": None if row["prefill_seconds"] is None else round(row["prefill_seconds"] / row["seconds"], 3),
                 "tau": round(row["tokens"] / row["forwards"], 3) if row["forwards"] else None,
                 "identical_to_hf_float32_greedy": f"{row['identical']}/{len(prompt_ids)}",
                 "divergences": row["divergences"],
@@ -151,8 +152,9 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
             for name, row in totals.items()
         }  # fmt: skip
         for name, row in results[set_name].items():
+            prefill = "  ?" if row["prefill_share"] is None else f"{row['prefill_share']:.0%}"
             print(f"{set_name:5s} {name:26s} {row['tokens_per_second']:7.2f} tok/s  x{row['vs_llama_cpp']:.2f} llama.cpp"
-                  f"  prefill {row['prefill_share']:.0%}  identical {row['identical_to_hf_float32_greedy']}", flush=True)
+                  f"  prefill {prefill}  identical {row['identical_to_hf_float32_greedy']}", flush=True)
     report = {
         **run_identity(torch.device("cpu")),
         **evaluation_sets(prompts_per_set, max_new_tokens),
