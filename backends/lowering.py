@@ -19,8 +19,8 @@ from specpass.ir.draft import draft_graph, resume_graph
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The lowerings to build, the last one the default. `auto` -> cudagraphs on CUDA; on a CPU that
     has oneDNN (float32) both eager and onednn, each call running the one measured faster at its tree
-    size (backends.per_size); else eager. `gguf` -> the GGUF kernels (backends.gguf_lowering) beside the
-float32 kernel, each tree size on the faster one.
+    size (backends.per_size); else eager. `gguf` -> the GGUF kernels (backends.gguf_lowering) beside
+    the float32 kernel, each tree size on the faster one.
 
     `inductor` is opt-in on CUDA: its replays beat the FX step's at every tree size measured on an H100
     (SmolLM2-135M bf16 1.72 against 2.95 ms a one-token replay, float32 2.10 against 3.30, an 8B-shaped

@@ -36,8 +36,10 @@ def _llama(threads: int, prompt_lookup: bool):
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if prompt_lookup else None
-    return Llama(model_path=os.path.join(default_model_dir(), GGUF_FILE), n_ctx=2048, n_threads=threads,
-                 n_threads_batch=threads, draft_model=draft, verbose=False, seed=0)  # fmt: skip
+    # n_batch = n_ctx: with a drafter llama-cpp-python keeps logits for every evaluated token in n_batch
+    # rows, and a prompt past n_batch tokens overflowed them (ValueError in Llama.eval)
+    return Llama(model_path=os.path.join(default_model_dir(), GGUF_FILE), n_ctx=4096, n_batch=4096,
+                 n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False, seed=0)  # fmt: skip
 
 
 def _llama_runner(llm, eos: set[int]):
