@@ -49,11 +49,11 @@ class BlockWeight:
     offset: torch.Tensor  # [N, K / 32] float32 (float16 values; Q4_0: -8 d; Q8_0: 0)
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] float32, computed as transformers' GGUF loader computes it (d * q + m)."""
+        """[N, K] float32, computed as transformers' GGUF loader computes it (d * q + m). For Q4_0 its
+        d * (q - 8) equals d * q + (-8 d) exactly: d is a float16, so d * q, 8 d and their difference
+        all fit float32's mantissa."""
         scale = self.scale.repeat_interleave(BLOCK, dim=1)
         offset = self.offset.repeat_interleave(BLOCK, dim=1)
-        if self.kind == "Q4_0":  # d * (q - 8): exact, as is d * q - 8 d
-            return scale * (self.codes - 8).float()
         return scale * self.codes.float() + offset
 
 
