@@ -219,24 +219,32 @@ def _delay_laddered_waits(graph: torch.fx.Graph, num_layers: int, waits: dict[to
     for wait, next_wait in zip(ordered, ordered[1:]):
         if info(next_wait).layer not in laddered:
             continue  # the next sub-layer reads this output: nothing to overlap with
-        add = next(a for a in residual_adds(graph, info(wait).layer) if _depends_on(a, wait))
+        add, upstream = next((a, up) for a in residual_adds(graph, info(wait).layer) if wait in (up := _ancestors(a)))
         issue = next_wait.args[0]  # the next sub-layer's all_reduce
-        chain = [n for n in graph.nodes if n is add or (_depends_on(n, wait) and _depends_on(add, n))]
+        between = _descendants(wait) & upstream  # the wait, the add and the nodes from one to the other
+        chain = [n for n in graph.nodes if n in between]
         anchor = issue
         for node in chain:  # graph order, so each node still follows its inputs
             anchor.append(node)
             anchor = node
 
 
-def _depends_on(node: torch.fx.Node, source: torch.fx.Node) -> bool:
-    """Whether `source` is `node` or one of its inputs' ancestors (searched back through the inputs)."""
-    seen, stack = set(), [node]
+def _descendants(source: torch.fx.Node) -> set[torch.fx.Node]:
+    """`source` and every node that reads it, directly or not."""
+    return _reachable(source, lambda node: node.users)
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """`node` and every node it reads, directly or not."""
+    return _reachable(node, lambda current: current.all_input_nodes)
+
+
+def _reachable(start: torch.fx.Node, neighbours) -> set[torch.fx.Node]:
+    """`start` and every node reached from it through `neighbours` (one pass, each node once)."""
+    seen, stack = set(), [start]
     while stack:
         current = stack.pop()
-        if current is source:
-            return True
-        if current in seen or current.op == "placeholder":
-            continue
-        seen.add(current)
-        stack.extend(current.all_input_nodes)
-    return False
+        if current not in seen:
+            seen.add(current)
+            stack.extend(neighbours(current))
+    return seen
