@@ -61,21 +61,23 @@ class CostCurve:
         return {n: s / self.seconds[0] for n, s in zip(self.sizes, self.seconds)}
 
 
-def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 5,
+def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 3,
             min_seconds: float = 0.05) -> CostCurve:  # fmt: skip
     """Median latency per size of `forward(tokens, layout)` (a program's verify forward) on a chain
     of `size` tokens after `kv_len - size` cached slots.
 
-    Each size runs at least `repeats` times and until `min_seconds` have been timed: a CPU step takes
-    tens of milliseconds, so five runs suffice; a CUDA-graph replay takes a few hundred microseconds,
-    where five runs left the curve noisy on an H100 (12 nodes 2.4x one token, 64 nodes 1.5x).
+    Each size runs once to warm up (oneDNN primitives, a CUDA graph's capture), then at least `repeats`
+    times and until `min_seconds` have been timed: a CPU step takes tens of milliseconds and repeats
+    within a few percent, so the median of three suffices (the curve was 70 forwards per lowering
+    with two warm-ups and five runs: 18 s of a 22 s first call on the default model); a CUDA-graph
+    replay takes a few hundred microseconds, where five runs left the curve noisy on an H100 (12
+    nodes 2.4x one token, 64 nodes 1.5x), so it runs until 50 ms have passed.
     """
     seconds = []
     for size in sizes:
         layout = SlotLayout.chain(max(kv_len - size, 0), size)  # on the host, as the decode loop passes it
         tokens = torch.zeros(size, dtype=torch.long)
-        for _ in range(2):  # warm-up (and CUDA-graph capture)
-            forward(tokens, layout)
+        forward(tokens, layout)  # warm-up (and CUDA-graph capture)
         samples: list[float] = []
         while len(samples) < repeats or sum(samples) < min_seconds:
             _synchronize(device)

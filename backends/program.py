@@ -25,7 +25,7 @@ from specpass.ir import DraftGraphSpec, SlotLayout, capture, draft_spec
 from specpass.ir.split import EXIT_HIDDEN
 from specpass.rewrites.tensor_parallel import TensorParallel
 
-COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+COST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # interpolated between: a step's cost is near linear in T
 PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
 # Each lowering's measured curve, per process, by (step_signature, sizes, kv_len): a step's cost is
 # a function of its graph and tensor shapes, not of its weights' values, so programs of the same model
