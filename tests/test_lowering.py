@@ -61,6 +61,29 @@ def test_onednn_graph_replaces_every_linear_and_keeps_annotations():
 
 
 @needs_onednn
+def test_programs_of_one_model_share_its_packed_weights_until_a_weight_changes():
+    model = tiny_model("llama")
+
+    def step():
+        return specpass.Pipeline(specpass.rewrites.TreeAttention(8)).run(capture(model, cache_size=64))[0]
+
+    def packed(gm) -> dict[str, torch.Tensor]:  # oneDNN tensors have no storage pointer: compared by identity
+        return {name: b for name, b in gm.named_buffers() if name.startswith("packed_")}
+
+    first, second = (packed(onednn.pack_linears(step())) for _ in range(2))
+    assert len(first) == 7 * model.config.num_hidden_layers + 1
+    assert all(second[name] is weight for name, weight in first.items())  # packed once, shared
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # changed in place: its version moves, so it is packed again
+    lowered = onednn.pack_linears(step())
+    assert [name for name, w in packed(lowered).items() if w is not first[name]] == [f"packed_{len(first) - 1}"]
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    inputs = SlotLayout.chain(0, 5).step_inputs(ids)
+    expected = step()(**inputs)[0]  # the changed model, eager
+    torch.testing.assert_close(lowered(**inputs)[0], expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
 def test_auto_lowering_runs_each_tree_size_on_the_kernel_measured_faster():
     _, gm = _tree_step("llama")
     step, _, _ = lower(gm, "auto", torch.device("cpu"), 16, 128)
