@@ -31,7 +31,7 @@ def export_draft(draft: torch.fx.GraphModule, spec: DraftGraphSpec, dtype: torch
         with quiet():
             program = torch.onnx.export(draft, (), kwargs=sample_inputs(spec, dtype, 3), dynamo=True,
                                         dynamic_shapes=dynamic, input_names=list(spec.input_names),
-                                        output_names=list(spec.output_names), optimize=True)  # fmt: skip
+                                        output_names=list(spec.output_names), optimize=False)  # fmt: skip
     except Exception as exc:
         raise ExportError(f"torch.onnx.export of the draft graph failed: {type(exc).__name__}: {str(exc)[:600]}") from exc
     path = os.path.join(out_dir, DRAFT_FILE)

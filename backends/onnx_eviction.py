@@ -107,7 +107,7 @@ def export_eviction(policy: KVEviction, scales: tuple[float, ...], arch, dtype: 
         try:
             with quiet():
                 program = torch.onnx.export(module, (), kwargs=inputs, dynamo=True, dynamic_shapes=dynamic,
-                                            input_names=list(inputs), output_names=list(outputs), optimize=True)  # fmt: skip
+                                            input_names=list(inputs), output_names=list(outputs), optimize=False)  # fmt: skip
         except Exception as exc:
             raise ExportError(f"torch.onnx.export of {file} failed: {type(exc).__name__}: {str(exc)[:600]}") from exc
         program.save(path)
