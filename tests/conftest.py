@@ -1,3 +1,4 @@
+import os
 import shutil
 
 import pytest
@@ -66,6 +67,18 @@ def cases(default_model):
     code = [prompts.encode_code(tokenizer, p) for p in prompts.code_prompts(3, offset=0)]
     chat = [prompts.encode_chat(tokenizer, m) for m in prompts.chat_messages(3, offset=0)]
     return [(ids, model.generate(ids, max_new_tokens=128, do_sample=False)) for ids in code + chat]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist the workers share the cores: each gets its share of threads (four OpenMP
+    threads on two cores spin against each other: one test took 10x longer), and so do the CLI and
+    torchrun subprocesses a worker starts, through OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -145,14 +145,17 @@ def test_layers_below_the_exit_run_once_per_drafted_token_and_never_in_verificat
 def test_self_draft_on_the_default_model_equals_hf_greedy_with_eos_inside_a_draft_and_the_length_limit(
     default_model, cases
 ):
+    """Three of the six cases (two code prompts, one chat): a layer-24 self-draft takes about four
+    forwards' time a step, the slowest drafter to test."""
     model, _ = default_model
     options = {"pipeline": specpass.Pipeline(TreeAttention(16), EarlyExit(24)), "drafter": SelfDraft(4)}
-    for ids, reference in cases:
-        out = specpass.generate(model, ids, max_new_tokens=128, options=options)
-        assert torch.equal(out.sequences, reference)
+    outputs = []
+    for ids, reference in cases[::2]:
+        outputs.append(specpass.generate(model, ids, max_new_tokens=128, options=options))
+        assert torch.equal(outputs[-1].sequences, reference)
     ids, reference = cases[0]
     continuation = reference[0, ids.shape[1]:].tolist()
-    out = specpass.generate(model, ids, max_new_tokens=128, options=options, eos_token_id=[])
+    out = outputs[0]  # its steps cover the whole continuation, up to the model's own EOS
     assert out.stats.tau > 1.1  # a layer-24 exit agrees with the model often enough to take multi-token steps
     eos, index = token_inside_an_accepted_draft(continuation, out.stats.steps)
     stopped = specpass.generate(model, ids, max_new_tokens=128, options=options, eos_token_id=[eos])

@@ -418,7 +418,7 @@ def test_cli_trains_heads_for_the_default_model(default_model, tmp_path, capsys)
 
     out = tmp_path / "heads"
     argv = ["train-heads", "--kind", "hydra", "--out", str(out), "--heads", "2", "--prompts", "6",
-            "--max-new-tokens", "8", "--held-out", "2", "--corpus", str(tmp_path / "corpus.pt")]  # fmt: skip
+            "--max-new-tokens", "8", "--held-out", "2", "--epochs", "1", "--corpus", str(tmp_path / "corpus.pt")]  # fmt: skip
     assert main(argv) == 0
     assert "wrote" in capsys.readouterr().out and (out / "heads.safetensors").exists()
     _, config = load_heads(str(out), default_model[0].lm_head)

@@ -153,16 +153,26 @@ DRAFTERS = {
 SETTINGS = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3)]
 
 
-@pytest.mark.parametrize("name", list(DRAFTERS))
-def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(default_model, cases, name):
+def _settings(case: int) -> dict:
+    return SETTINGS[case % len(SETTINGS)] | {"seed": case}
+
+
+@pytest.fixture(scope="module")
+def plain_samples(default_model, cases) -> list[torch.Tensor]:
+    """Non-speculative sampling (one node a step) of each case with its settings and seed."""
     model, _ = default_model
     plain = {"budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1))}
+    return [specpass.generate(model, ids, 64, do_sample=True, options=plain, **_settings(i)).sequences
+            for i, (ids, _) in enumerate(cases)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(default_model, cases, plain_samples, name):
+    model, _ = default_model
     taus = []
-    for i, (ids, _) in enumerate(cases):
-        settings = SETTINGS[i % len(SETTINGS)] | {"seed": i}
-        reference = specpass.generate(model, ids, 64, do_sample=True, options=plain, **settings)
-        out = specpass.generate(model, ids, 64, do_sample=True, options=DRAFTERS[name], **settings)
-        assert torch.equal(out.sequences, reference.sequences)
+    for i, ((ids, _), reference) in enumerate(zip(cases, plain_samples)):
+        out = specpass.generate(model, ids, 64, do_sample=True, options=DRAFTERS[name], **_settings(i))
+        assert torch.equal(out.sequences, reference)
         taus.append(out.stats.tau)
     assert sum(taus) / len(taus) > 1.1  # drafts are accepted while sampling
 
