@@ -136,7 +136,8 @@ class Evict(nn.Module):
         self.scales = scales
         for name, buffer in buffers.items():
             self.register_buffer(name, buffer, persistent=False)
-        self.register_buffer("protected", policy.protected(policy.budget), persistent=False)  # [budget] bool
+        protected = policy.protected(policy.budget).to(buffers["k_cache"].device)  # [budget] bool, beside the cache
+        self.register_buffer("protected", protected, persistent=False)
 
     def forward(self):
         scores = self.kv_scores if self.policy.scored else None
