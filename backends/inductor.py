@@ -7,28 +7,40 @@ step launches about 40 kernels per layer. In a CUDA graph the launches are cheap
 still costs a few microseconds, so fewer, fused kernels set the step's floor
 (docs/experiments.md, "GPU step").
 
+Rewrite before compiling (`inplace_cache_writes`). The FX step writes a layer's new K/V as
+`k_cache[layer].index_copy_(2, slots, new)`: a mutation through a view of the step's cache buffer.
+Inductor functionalizes that into a copy of the layer's whole cache slice per write and a copy of
+the whole buffer back at the end (four cache-sized copies a step, growing with the cache: on an
+H100 two 78 us copies of an 8B model's 1024-slot caches). Written as one `index_put_` on the buffer
+itself, `k_cache.index_put_([layer, :, :, slots], new)`, the mutation is of a graph input's base and
+inductor scatters the T new slots in place.
+
 Invariants. The compiled step computes the same function of the same graph on the same KV-cache
 buffers (in-place writes into the step's own `k_cache` / `v_cache`); its outputs differ from the FX
 step's only by float rounding (reductions fused in another order). One compile serves every tree
 size and attended length (`dynamic=True`: T and kv_len are symbolic; T = 1 gets its own
-specialisation), so a bucketed CUDA-graph replay (backends.cudagraphs) captures it per bucket
-without recompiling.
+specialisation, which the CUDA-graph lowering never asks for: its smallest bucket is two tokens),
+so a bucketed CUDA-graph replay (backends.cudagraphs) captures it per bucket without recompiling.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
 
 from specpass.backends.eager import EagerStep
+from specpass.ir import copy_step
+from specpass.ir.query import cache_writes
 
 
 class InductorStep(EagerStep):
     """`EagerStep`'s interface over the inductor-compiled graph (compiled lazily, at the first call)."""
 
     def __init__(self, gm: torch.fx.GraphModule):
-        super().__init__(gm, kind="inductor")
-        self.compiled = torch.compile(gm, fullgraph=True, dynamic=True)
+        super().__init__(inplace_cache_writes(gm), kind="inductor")
+        self.compiled = torch.compile(self.gm, fullgraph=True, dynamic=True)
 
     @torch.no_grad()
     def run_graph(self, inputs: dict):
@@ -41,3 +53,28 @@ def _plain(value):
     if isinstance(value, torch.Tensor) and (value._base is not None or not value.is_contiguous()):
         return value.clone(memory_format=torch.contiguous_format)
     return value
+
+
+def inplace_cache_writes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` whose cache writes `cache[layer].index_copy_(2, slots, new)` are
+    `cache.index_put_([layer, :, :, slots], new)` on the cache buffer itself (module docstring); the
+    writes' users read `cache[layer]` as before. Writes of another form are left as they are."""
+    lowered = copy_step(gm)
+    graph = lowered.graph
+    for write in cache_writes(graph):
+        view, dim, slots, new = write.args
+        if not (view.op == "call_function" and view.target is operator.getitem and isinstance(view.args[1], int)
+                and view.args[0].op == "get_attr" and dim == 2):  # fmt: skip
+            continue
+        cache, layer = view.args
+        with graph.inserting_before(write):
+            values = graph.call_method("permute", (new, 2, 0, 1, 3))  # [T, B, KV, D]
+            layers = graph.call_function(torch.full_like, (slots, layer))  # [T]
+            put = graph.call_function(torch.ops.aten.index_put_.default, (cache, [layers, None, None, slots], values))
+        for node in (values, layers, put):
+            node.meta.update(write.meta)
+        write.replace_all_uses_with(view)
+        graph.erase_node(write)
+    graph.lint()
+    lowered.recompile()
+    return lowered

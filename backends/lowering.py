@@ -10,6 +10,7 @@ import torch.fx
 
 from specpass.backends import onednn
 from specpass.backends.eager import EagerStep
+from specpass.backends.fuse_projections import fuse_projections
 from specpass.backends.gguf_lowering import gguf_planes, pack_gguf_linears
 from specpass.backends.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
@@ -77,18 +78,18 @@ def _lower_one(gm: torch.fx.GraphModule, lowering: str, device: torch.device, ma
                 f"lowering 'onednn' needs float32 on a CPU with oneDNN; the model is {gm.k_cache.dtype} on {device}"
             )
         return EagerStep(onednn.pack_linears(gm, packed), kind="onednn")
-    if lowering == "inductor":
+    if lowering == "inductor":  # q|k|v and gate|up as one GEMM each: fewer kernels (backends.fuse_projections)
         from specpass.backends.inductor import InductorStep
 
         if device.type != "cuda":
-            return InductorStep(gm)
+            return InductorStep(fuse_projections(gm))
         from specpass.backends.cudagraphs import CudaGraphStep
 
-        return CudaGraphStep(InductorStep(gm), max_nodes=max_nodes, cache_size=cache_size)
+        return CudaGraphStep(InductorStep(fuse_projections(gm)), max_nodes=max_nodes, cache_size=cache_size)
     if lowering == "cudagraphs":
         if device.type != "cuda":
             raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {device}")
         from specpass.backends.cudagraphs import CudaGraphStep
 
-        return CudaGraphStep(EagerStep(gm), max_nodes=max_nodes, cache_size=cache_size)
+        return CudaGraphStep(EagerStep(fuse_projections(gm)), max_nodes=max_nodes, cache_size=cache_size)
     raise InvalidParameterError(f"unknown lowering {lowering!r}")

@@ -3,16 +3,23 @@ tree size, against the weights' bandwidth floor.
 
 Model shapes: SmolLM2-135M-Instruct's (the default model) and Llama-3.1-8B's, both with random
 weights (a step's time does not depend on the weights' values; nothing is downloaded). Lowerings:
-`cudagraphs` (the FX step replayed in CUDA graphs) and `inductor` (the inductor-compiled step
-replayed in CUDA graphs). Per (shape, dtype, lowering):
+`cudagraphs` (the FX step replayed in CUDA graphs), `inductor` (the inductor-compiled step
+replayed in CUDA graphs), both with q|k|v and gate|up fused (backends.fuse_projections), and
+`inductor-unfused` (the inductor step without that fusion, for comparison in the same run).
+Per (shape, dtype, lowering):
 
 - `call_ms[T]`: one verify step of T tokens over 256 committed slots through the lowering's call, as
   the decode loop makes it (host-side padding and input copies included), median of 50;
 - `replay_ms[T]`: the bare CUDA-graph replay of the same bucket (CUDA events over 200 replays);
-- `kernels`: CUDA kernels one un-graphed step launches (torch.profiler, T = 1), and the 8 costliest;
+- `kernels`: CUDA kernels one un-graphed step launches (torch.profiler, T = 2), and the 8 costliest;
 - `floor_ms`: parameter bytes / measured read bandwidth (a bf16 sum over 4 GiB).
 
-Usage: python benchmarks/gpu_step.py [--shapes 135m 8b] [--dtypes bfloat16 float32] [--out DIR]
+`--decode N`: end to end on the real default model (bf16): the combined tree with each lowering on
+N tuning prompts (HumanEval 140..; not the benchmark's evaluation prompts), 128 new tokens, after
+one warm-up generate (compile and cost curve excluded): tokens/s, tau, outputs identical to HF greedy.
+
+Usage: python benchmarks/gpu_step.py [--shapes 135m 8b] [--dtypes bfloat16 float32] [--lowerings ...]
+       [--decode N] [--out DIR]
 Writes DIR/gpu-step-<device>.json (default benchmarks/results).
 """
 
@@ -26,6 +33,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specpass
+from specpass import prompts
+from specpass.backends.cudagraphs import CudaGraphStep
+from specpass.backends.inductor import InductorStep
 from specpass.backends.lowering import lower
 from specpass.bench import write_report
 from specpass.ir import SlotLayout, capture
@@ -114,19 +124,25 @@ def kernels(run_graph, inputs: dict) -> dict:
 
 
 @torch.no_grad()
-def profile(shape: str, dtype: torch.dtype, lowerings, bandwidth: float) -> dict:
+def profile(shape: str, dtype: torch.dtype, lowerings, bandwidth: float, result: dict, save) -> None:
+    """Fills `result` one lowering at a time, calling `save()` after each (a run cut short keeps what
+    it measured)."""
     model = random_model(shape, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gm, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(max(SIZES))).run(capture(model, cache_size=CACHE_SIZE))
-    result = {"weight_bytes": weight_bytes, "floor_ms": round(1e3 * weight_bytes / bandwidth, 4), "lowerings": {}}
+    result.update(weight_bytes=weight_bytes, floor_ms=round(1e3 * weight_bytes / bandwidth, 4), lowerings={})
     for lowering in lowerings:
         started = time.perf_counter()
-        step, _, _ = lower(gm, lowering, torch.device("cuda"), max(SIZES), CACHE_SIZE)
+        if lowering == "inductor-unfused":
+            step = CudaGraphStep(InductorStep(gm), max_nodes=max(SIZES), cache_size=CACHE_SIZE)
+        else:
+            step, _, _ = lower(gm, lowering, torch.device("cuda"), max(SIZES), CACHE_SIZE)
         step(torch.zeros(1, 1, dtype=torch.long, device="cuda"), SlotLayout.chain(COMMITTED, 1, "cuda"))
         first_call_s = time.perf_counter() - started
         calls = {n: round(call_ms(step, n), 4) for n in SIZES}
         replays = {n: round(replay_ms(step, n), 4) for n in SIZES}
-        inputs = SlotLayout.chain(COMMITTED, 1, "cuda").step_inputs(torch.zeros(1, 1, dtype=torch.long, device="cuda"))
+        # T = 2: the inductor step's buckets start there (its T = 1 specialisation is never compiled)
+        inputs = SlotLayout.chain(COMMITTED, 2, "cuda").step_inputs(torch.zeros(1, 2, dtype=torch.long, device="cuda"))
         result["lowerings"][lowering] = {
             "first_call_s": round(first_call_s, 2),
             "call_ms": calls,
@@ -135,16 +151,45 @@ def profile(shape: str, dtype: torch.dtype, lowerings, bandwidth: float) -> dict
             "kernels": kernels(step.eager.run_graph, inputs),
         }
         print(shape, dtype, lowering, result["lowerings"][lowering], flush=True)
+        save()
     del model, gm
     torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def decode(lowering: str, count: int, max_new_tokens: int = 128) -> dict:
+    """The combined tree end to end on the default model in bf16 (module docstring)."""
+    model, tokenizer = specpass.load_default_model(dtype=torch.bfloat16, device="cuda")
+    program = specpass.compile_program(model, {"lowering": lowering})
+    cases = [prompts.encode_code(tokenizer, p).cuda() for p in prompts.code_prompts(count, offset=140)]
+    started = time.perf_counter()
+    specpass.generate(program, cases[0], max_new_tokens=max_new_tokens)  # compile, cost curve, captures
+    warm_up_s = time.perf_counter() - started
+    tokens = forwards = identical = 0
+    seconds = 0.0
+    for ids in cases:
+        reference = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = specpass.generate(program, ids, max_new_tokens=max_new_tokens)
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - started
+        tokens += out.stats.new_tokens
+        forwards += out.stats.target_forwards
+        identical += int(torch.equal(out.sequences, reference))
+    result = {"prompts": f"HumanEval[140:{140 + count}] (tuning prompts)", "warm_up_s": round(warm_up_s, 1),
+              "tokens_per_s": round(tokens / seconds, 1), "tau": round(tokens / forwards, 3),
+              "identical_to_hf_greedy": f"{identical}/{count}"}  # fmt: skip
+    print("decode", lowering, result, flush=True)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["135m", "8b"], choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=["135m", "8b"], choices=sorted(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--lowerings", nargs="+", default=["cudagraphs", "inductor"])
+    parser.add_argument("--lowerings", nargs="+", default=["cudagraphs", "inductor", "inductor-unfused"])
+    parser.add_argument("--decode", type=int, default=0, help="end-to-end prompts (0: none)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     bandwidth = read_bandwidth()
@@ -158,11 +203,18 @@ def main() -> None:
                  "input copies, replay_ms is the bare CUDA graph",
         "profiles": {},
     }  # fmt: skip
+
+    def save() -> None:
+        print(f"wrote {write_report(report, args.out, prefix='gpu-step-')}", flush=True)
+
     for shape in args.shapes:
         for dtype_name in args.dtypes if shape == "135m" else ["bfloat16"]:
-            key = f"{shape}-{dtype_name}"
-            report["profiles"][key] = profile(shape, getattr(torch, dtype_name), args.lowerings, bandwidth)
-            print(f"wrote {write_report(report, args.out, prefix='gpu-step-')}", flush=True)
+            result = report["profiles"].setdefault(f"{shape}-{dtype_name}", {})
+            profile(shape, getattr(torch, dtype_name), args.lowerings, bandwidth, result, save)
+    if args.decode:
+        report["decode_bfloat16"] = {lowering: decode(lowering, args.decode) for lowering in args.lowerings
+                                     if lowering != "inductor-unfused"}  # fmt: skip
+        save()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""The graph rewrites of the GPU lowerings, run on the CPU: sibling projections as one GEMM
+(backends.fuse_projections) and the inductor step's in-place cache writes (backends.inductor)."""
+
+import re
+
+import pytest
+import torch
+from conftest import needs_cxx, tiny_model
+from torch import nn
+
+import specpass
+from specpass.backends.eager import EagerStep
+from specpass.backends.fuse_projections import fuse_projections, sibling_linears
+from specpass.backends.inductor import InductorStep, inplace_cache_writes
+from specpass.drafters import DraftTree
+from specpass.ir import Role, SlotLayout, arch_spec, capture, info
+
+
+def _tree_step(arch: str):
+    gm, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(tiny_model(arch), cache_size=128))
+    return gm
+
+
+def _linears(gm) -> list[str]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear)]
+
+
+def _prefix_and_tree(step, gm):
+    """Prefill 30 tokens, then a 5-node tree: (the tree's logits, the K and V caches after it)."""
+    gm.k_cache.zero_()
+    gm.v_cache.zero_()
+    prompt = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(1))
+    step(prompt, SlotLayout.chain(0, 30))
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
+    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout(30, tree.ancestor_mask()))
+    return logits, gm.k_cache.clone(), gm.v_cache.clone()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_fused_projections_graph_and_equivalence(arch):
+    model = tiny_model(arch)
+    gm, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(model, cache_size=128))
+    spec = arch_spec(model)
+    n, q, kv = spec.num_layers, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    before = _linears(gm)
+    fused = fuse_projections(gm)
+    assert len(before) == 7 * n + 1
+    assert len(_linears(fused)) == 4 * n + 1  # q|k|v, o, gate|up, down per layer, and the LM head
+    assert _linears(gm) == before  # the source graph is not modified
+    qkv = [n for n in fused.graph.nodes if n.op == "call_module" and info(n).role == Role.QKV]
+    assert len(qkv) == n and all(fused.get_submodule(x.target).out_features == q + 2 * kv for x in qkv)
+    assert all((fused.get_submodule(x.target).bias is not None) == (arch == "qwen2") for x in qkv)
+    splits = [x.args[1] for x in fused.graph.nodes if x.op == "call_method" and x.target == "split"]
+    inner = model.config.intermediate_size
+    assert splits == [[q, kv, kv], [inner, inner]] * n
+    expected = _prefix_and_tree(EagerStep(gm), gm)
+    got = _prefix_and_tree(EagerStep(fused), gm)  # same cache buffers (copy_step shares them)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_fusion_does_not_apply_where_it_must_not():
+    # Phi-3: q/k/v already one projection and gate/up one linear inside its MLP: nothing to fuse
+    phi3 = _tree_step("phi3")
+    assert sibling_linears(phi3) == []
+    assert _linears(fuse_projections(phi3)) == _linears(phi3)
+    # applied twice: the second finds no siblings left
+    once = fuse_projections(_tree_step("llama"))
+    assert sibling_linears(once) == []
+    assert _linears(fuse_projections(once)) == _linears(once)
+    # a Linear subclass (it may compute otherwise) is not fused with its siblings
+    gm = _tree_step("llama")
+
+    class Custom(nn.Linear):
+        pass
+
+    q = gm.get_submodule("layers.0.self_attn.q_proj")
+    custom = Custom(q.in_features, q.out_features, bias=False)
+    custom.weight = q.weight
+    gm.get_submodule("layers.0.self_attn").q_proj = custom
+    groups = sibling_linears(gm)
+    assert [[n.target for n in g] for g in groups][0] == ["layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj"]
+
+
+def test_inplace_cache_writes_graph_and_equivalence():
+    gm = _tree_step("llama")
+    rewritten = inplace_cache_writes(gm)
+    writes = [n for n in rewritten.graph.nodes if n.target is torch.ops.aten.index_put_.default]
+    assert len(writes) == 2 * 2  # K and V of each of the tiny model's 2 layers
+    assert all(w.args[0].op == "get_attr" and w.args[0].target in ("k_cache", "v_cache") for w in writes)
+    assert not [n for n in rewritten.graph.nodes if n.op == "call_method" and n.target == "index_copy_"]
+    assert [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "index_copy_"]  # source kept
+    expected = _prefix_and_tree(EagerStep(gm), gm)
+    got = _prefix_and_tree(EagerStep(rewritten), gm)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)  # the same ops in eager mode: bit for bit
+
+
+@needs_cxx
+@torch.no_grad()
+def test_compiled_step_copies_no_cache_slice():
+    """Compiled by inductor, the step with in-place cache writes has no loop over a layer's cache
+    slice (B * KV * S * D elements), which the index_copy_-through-a-view form compiles to (a clone of
+    the slice per write and a copy of the whole buffer back): the control."""
+    from torch._inductor.utils import run_and_get_code
+
+    gm, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(tiny_model("llama"), cache_size=328))
+    _, batch, kv, slots, dim = gm.k_cache.shape  # [L, B, KV, S, D]
+    # a C++ loop over 2 * 328 * 8 = 5248 elements, a bound no other loop has
+    slice_loop = re.compile(rf"x\d+<static_cast<int64_t>\({batch * kv * slots * dim}L\)")
+    ids = torch.randint(0, 96, (1, 3))
+    codes = {}
+    for name, graph in (("in place", inplace_cache_writes(gm)), ("index_copy_", gm)):
+        compiled = torch.compile(graph, fullgraph=True, dynamic=True)
+        inputs = SlotLayout.chain(10, 3).step_inputs(ids)
+        names = [n.target for n in graph.graph.nodes if n.op == "placeholder"]
+        _, code = run_and_get_code(compiled, **{k: inputs[k] for k in names})
+        codes[name] = "\n".join(code)
+    assert slice_loop.search(codes["index_copy_"])
+    assert not slice_loop.search(codes["in place"])
