@@ -77,7 +77,7 @@ def _lower_one(gm: torch.fx.GraphModule, lowering: str, device: torch.device, ma
             raise InvalidParameterError(
                 f"lowering 'onednn' needs float32 on a CPU with oneDNN; the model is {gm.k_cache.dtype} on {device}"
             )
-        return EagerStep(onednn.pack_linears(gm, packed), kind="onednn")
+        return EagerStep(onednn.pack_linears(fuse_projections(gm), packed), kind="onednn")
     if lowering == "inductor":  # q|k|v and gate|up as one GEMM each: fewer kernels (backends.fuse_projections)
         from specpass.backends.inductor import InductorStep
 

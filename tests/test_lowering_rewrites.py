@@ -1,5 +1,5 @@
-"""The graph rewrites of the GPU lowerings, run on the CPU: sibling projections as one GEMM
-(backends.fuse_projections) and the inductor step's in-place cache writes (backends.inductor)."""
+"""Graph rewrites inside the lowerings: sibling projections as one GEMM (backends.fuse_projections:
+oneDNN, CUDA graphs, inductor) and the inductor step's in-place cache writes (backends.inductor)."""
 
 import re
 
@@ -80,6 +80,24 @@ def test_fusion_does_not_apply_where_it_must_not():
     gm.get_submodule("layers.0.self_attn").q_proj = custom
     groups = sibling_linears(gm)
     assert [[n.target for n in g] for g in groups][0] == ["layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj"]
+
+
+def test_fused_weights_are_shared_by_programs_and_follow_in_place_changes():
+    """Two lowerings of one model share each fused weight (so oneDNN packs it once per process); a
+    member changed in place gives the next lowering a new fused weight that holds the change."""
+    gm = _tree_step("llama")
+
+    def fused_of(graph):
+        return [m for name, m in graph.named_modules() if name.startswith("fused.") and type(m) is nn.Linear]
+
+    fused, again = fused_of(fuse_projections(gm)), fused_of(fuse_projections(gm))
+    assert len(fused) == 4 and all(a is b for a, b in zip(fused, again))  # q|k|v, gate|up of 2 layers
+    q = gm.get_submodule("layers.0.self_attn.q_proj")
+    with torch.no_grad():
+        q.weight.mul_(2.0)
+    changed = fused_of(fuse_projections(gm))
+    assert changed[0] is not fused[0] and all(a is b for a, b in zip(changed[1:], fused[1:]))
+    torch.testing.assert_close(changed[0].weight[: q.out_features], q.weight, rtol=0, atol=0)
 
 
 def test_inplace_cache_writes_graph_and_equivalence():
