@@ -16,7 +16,8 @@ Per (shape, dtype, lowering):
 
 `--decode N`: end to end on the real default model (bf16): the combined tree with each lowering on
 N tuning prompts (HumanEval 140..; not the benchmark's evaluation prompts), 128 new tokens, after
-one warm-up generate (compile and cost curve excluded): tokens/s, tau, outputs identical to HF greedy.
+one warm-up generate (compile and cost curve excluded): tokens/s, tau, milliseconds per target
+forward (host work included), mean verified tree size, outputs identical to HF greedy.
 
 Usage: python benchmarks/gpu_step.py [--shapes 135m 8b] [--dtypes bfloat16 float32] [--lowerings ...]
        [--decode N] [--out DIR]
@@ -166,7 +167,7 @@ def decode(lowering: str, count: int, max_new_tokens: int = 128) -> dict:
     specpass.generate(program, cases[0], max_new_tokens=max_new_tokens)  # compile, cost curve, captures
     warm_up_s = time.perf_counter() - started
     tokens = forwards = identical = 0
-    seconds = 0.0
+    seconds = nodes = 0.0
     for ids in cases:
         reference = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
         torch.cuda.synchronize()
@@ -176,9 +177,12 @@ def decode(lowering: str, count: int, max_new_tokens: int = 128) -> dict:
         seconds += time.perf_counter() - started
         tokens += out.stats.new_tokens
         forwards += out.stats.target_forwards
+        nodes += out.stats.mean_tree_size * (out.stats.target_forwards - 1)  # decode steps' verified nodes
         identical += int(torch.equal(out.sequences, reference))
     result = {"prompts": f"HumanEval[140:{140 + count}] (tuning prompts)", "warm_up_s": round(warm_up_s, 1),
               "tokens_per_s": round(tokens / seconds, 1), "tau": round(tokens / forwards, 3),
+              "ms_per_forward": round(1e3 * seconds / forwards, 2),
+              "mean_tree_size": round(nodes / max(forwards - len(cases), 1), 1),
               "identical_to_hf_greedy": f"{identical}/{count}"}  # fmt: skip
     print("decode", lowering, result, flush=True)
     return result

@@ -128,12 +128,11 @@ def _pair_counts(synthetic: Synthetic, widths, drawn: bool, n: int, walk=accept_
 
 
 TREE, CHAIN = (3, 2), (1, 1)
-CASES = [  # the four temperatures on trees, top-k and top-p among them; a chain; probability-free drafts
+CASES = [  # the four temperatures (1.0 on a chain, the others on trees), top-k, top-p, probability-free drafts
     (Sampling(do_sample=True, temperature=0.3), TREE, True),
     (Sampling(do_sample=True, temperature=0.7, top_k=3), TREE, True),
-    (Sampling(do_sample=True, temperature=1.0), TREE, True),
     (Sampling(do_sample=True, temperature=1.5, top_p=0.8), TREE, True),
-    (Sampling(do_sample=True, temperature=1.0), CHAIN, True),
+    (Sampling(do_sample=True, temperature=1.0), CHAIN, True),  # T = 1.0 on a chain (trees: the others)
     (Sampling(do_sample=True, temperature=0.7, top_p=0.9), TREE, False),
 ]
 
