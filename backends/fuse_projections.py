@@ -20,7 +20,8 @@ its reduction differently), so logits agree with the unfused step to float round
 weights are a copy made at lowering time, once per process for every program of the model
 (`fused_linear`): the model's weights must not change after compilation (a program compiled later
 sees the change), and the device holds those projections twice (for Llama-3.1-8B in bf16, 9.1 of its
-16 GB; on a CPU the oneDNN lowering packs the fused weights, not the members').
+16 GB). On a CPU the oneDNN lowering packs the fused weights instead of the members', so the fused
+float32 copy is a third copy of those projections (280 MB for the default model) until the model goes.
 
 Where. Under every lowering that runs linears as GEMMs on their float weights: `onednn` (a CPU step
 8-13 % faster at 1-16 tokens, 2-core AVX2 EPYC), `cudagraphs`, `inductor`. Not under `eager` (the
