@@ -28,16 +28,13 @@ class CudaGraphStep:
         self.input_names = eager.input_names
         self.max_nodes = max_nodes
         self.cache_size = cache_size
-        # the inductor step specialises one-token calls (a second compile of a minute or more), and a
-        # two-row step costs a GPU what a one-row step does: its buckets start at two tokens
-        self.smallest_bucket = 2 if eager.kind == "inductor" else 1
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self.pool = None
 
     def _bucket(self, layout: SlotLayout) -> tuple[int, int] | None:
-        tb = max(tree_bucket(layout.size), self.smallest_bucket)
+        tb = max(tree_bucket(layout.size), self.eager.min_tokens)
         sb = kv_bucket(layout.committed + tb, self.cache_size)
-        if tb > max(tree_bucket(self.max_nodes), self.smallest_bucket) or layout.committed + tb > self.cache_size:
+        if tb > max(tree_bucket(self.max_nodes), self.eager.min_tokens) or layout.committed + tb > self.cache_size:
             return None
         return tb, sb
 

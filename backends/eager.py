@@ -16,6 +16,8 @@ class EagerStep:
     graph's inputs by name (a draft graph is called that way, with its DraftGraphSpec's inputs).
     """
 
+    min_tokens = 1  # the fewest tokens a replayed bucket should hold (graph-replay lowerings pad up to it)
+
     def __init__(self, gm: torch.fx.GraphModule, kind: str = "eager"):
         self.gm = gm
         self.kind = kind

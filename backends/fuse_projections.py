@@ -31,19 +31,18 @@ reference) or `gguf` (its blocks belong to the members).
 from __future__ import annotations
 
 import operator
-import weakref
 
 import torch
 import torch.fx
 from torch import nn
 
+from specpass.backends.derived_cache import DerivedCache
 from specpass.ir import copy_step
 from specpass.ir.roles import META_KEY, NodeInfo, Role
 
 QKV_ROLES = {Role.Q, Role.K, Role.V}
 
-# ids of the members' weights and biases -> (weak references to them, their versions, the fused linear)
-_FUSED: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple[int, ...], nn.Linear]] = {}
+_FUSED: DerivedCache[nn.Linear] = DerivedCache()  # the members' weights and biases -> their fused linear
 
 
 def fuse_projections(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -85,11 +84,10 @@ def fused_linear(modules: list[nn.Linear]) -> nn.Linear:
     distinct weight once per process) sees the same tensor. Made again when a member's weight or bias
     changed in place since (its version counter moved); the entry goes when a member does."""
     params = [p for m in modules for p in (m.weight, m.bias) if p is not None]
-    key = tuple(id(p) for p in params)
-    versions = tuple(p._version for p in params)
-    entry = _FUSED.get(key)
-    if entry is not None and all(r() is p for r, p in zip(entry[0], params)) and entry[1] == versions:
-        return entry[2]
+    return _FUSED.get(params, lambda: _concatenated(modules))
+
+
+def _concatenated(modules: list[nn.Linear]) -> nn.Linear:
     first = modules[0]
     fused = nn.Linear(first.in_features, sum(m.out_features for m in modules), bias=first.bias is not None,
                       device=first.weight.device, dtype=first.weight.dtype)  # fmt: skip
@@ -97,10 +95,7 @@ def fused_linear(modules: list[nn.Linear]) -> nn.Linear:
         fused.weight.copy_(torch.cat([m.weight for m in modules]))  # [sum N, K]
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([m.bias for m in modules]))
-    fused.requires_grad_(False)
-    refs = tuple(weakref.ref(p, lambda _, key=key: _FUSED.pop(key, None)) for p in params)
-    _FUSED[key] = (refs, versions, fused)
-    return fused
+    return fused.requires_grad_(False)
 
 
 def _fuse(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:

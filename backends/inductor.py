@@ -38,6 +38,10 @@ from specpass.ir.query import cache_writes
 class InductorStep(EagerStep):
     """`EagerStep`'s interface over the inductor-compiled graph (compiled lazily, at the first call)."""
 
+    # one-token calls get their own specialisation (a second compile of a minute or more), and a
+    # two-row step costs a GPU what a one-row step does: replayed buckets start at two tokens
+    min_tokens = 2
+
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(inplace_cache_writes(gm), kind="inductor")
         self.compiled = torch.compile(self.gm, fullgraph=True, dynamic=True)

@@ -21,17 +21,16 @@ for the default model, which every program used to copy).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.fx
 from torch import nn
 
+from specpass.backends.derived_cache import DerivedCache
 from specpass.ir import copy_step, replace_node
 
 LINEAR_OP = "mkldnn._linear_pointwise"
 
-_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(weight) -> (weight, version packed, packed)
+_PACKED: DerivedCache[torch.Tensor] = DerivedCache()  # weight -> its packed form
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -83,10 +82,4 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] in oneDNN's blocked layout, shared by every graph lowered from it in this process.
     Packed again when the weight changed in place since (its version counter moved); the entry goes
     when the weight does."""
-    key = id(weight)
-    entry = _PACKED.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-        return entry[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)), weight._version, packed)
-    return packed
+    return _PACKED.get((weight,), lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
