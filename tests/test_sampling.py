@@ -9,7 +9,7 @@ import torch
 
 import specpass
 from conftest import token_inside_an_accepted_draft
-from specpass.backends.sampling import Sampling, TargetChoice, node_prefixes, position_noise
+from specpass.backends.sampling import KeyedNoise, Sampling, TargetChoice, node_prefixes, position_noise
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
 from specpass.rewrites import DraftHeads, TreeAttention
 
@@ -138,6 +138,14 @@ def test_invalid_sampling_settings_are_refused():
             Sampling(**({"do_sample": True} | bad))
     with pytest.raises(specpass.InvalidParameterError, match="temperature: only takes effect when sampling"):
         Sampling(temperature=0.7)
+
+
+def test_keyed_noise_is_position_noise_and_keeps_recent_positions():
+    noise = KeyedNoise(seed=5, keep=2)
+    first = noise(10, 50)
+    assert torch.equal(first, position_noise(5, 10, 50)) and noise(10, 50) is first  # computed once
+    noise(11, 50), noise(12, 50)  # position 10 is now the least recent of three: dropped
+    assert noise(10, 50) is not first and torch.equal(noise(10, 50), first)
 
 
 def _with_heads(drafter) -> dict:
