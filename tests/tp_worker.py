@@ -1,7 +1,6 @@
 """Run by tests/test_tensor_parallel.py under `torchrun --nproc-per-node W` (gloo, CPU).
 
-Each rank shards tiny models (and, with --default-model DIR, SmolLM2-135M saved there, at W = 3: 9
-heads, 3 KV heads)
+Each rank shards tiny models (and, with --default-model, SmolLM2-135M at W = 3: 9 heads, 3 KV heads)
 and checks against the same model unsharded, in the same process: logits of a prefill, a one-token
 decode step and a tree verification (allclose: rtol 1e-5, atol 1e-5; 1e-4 on the 30-layer model, whose
 row-parallel sums are added in another order), for the plain and the laddered model; then
@@ -83,14 +82,10 @@ def refusals() -> None:
 def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    if "--default-model" in argv:  # followed by the directory the test saved the loaded model to
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    if "--default-model" in argv:
+        from specpass import load_default_model, prompts
 
-        from specpass import prompts
-
-        directory = argv[argv.index("--default-model") + 1]
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model, tokenizer = load_default_model()  # the test's own load left the conversion in the cache
         cases = [prompts.encode_code(tokenizer, p) for p in prompts.code_prompts(1, offset=160)]
         for ladder in (LadderResidual.top(15),):  # layers 0-14 standard, 15-29 laddered, in one graph
             # 30 layers, logits ~20: row sums reordered; a fixed budget spares the cost curve (the tiny models measure it)
