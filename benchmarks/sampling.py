@@ -4,8 +4,9 @@
 
 Prompts: the benchmark's (HumanEval[120:], raw, and chat summaries [0:]). Settings: temperature 0.7,
 top-p 0.9. Rows, each set on its own: HF greedy, specpass combined tree greedy, HF sampling, HF
-assisted sampling (prompt lookup, 10-token chain), specpass one-node sampling and specpass combined
-tree sampling (every speculative output checked against one-node sampling with the same seed).
+assisted sampling (prompt lookup, 10-token chain), specpass one-node sampling, then each drafter
+sampling: the prompt-lookup tree, the token-recycling tree, the combined tree, Hydra heads and Hydra +
+combined (every speculative output checked against one-node sampling with the same seed).
 The question it answers: how much of the greedy speed-up over HF does the combined tree keep when
 sampling (speed-up = specpass tokens/s / HF tokens/s with the same decoding).
 Writes sampling-<device>.json.
@@ -22,6 +23,7 @@ import torch
 import specpass
 from specpass import prompts as P
 from specpass.bench import CODE_OFFSET, run_identity, write_report
+from specpass.drafters.registry import drafter_by_name
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9)
 
@@ -55,16 +57,22 @@ def _specpass(program, sampling: bool):
 def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
     device = torch.device("cpu")
     model, tokenizer = specpass.load_default_model()
-    combined = specpass.compile_program(model, {"drafter": specpass.drafters.default_drafter()})
+    heads = specpass.Pipeline(specpass.rewrites.TreeAttention(64), specpass.rewrites.DraftHeads("hydra"))
+    programs = {  # drafter -> its program (the same compiled step for the first three: one cost curve)
+        name: specpass.compile_program(model, {"drafter": drafter_by_name(name)} | ({"pipeline": heads} if "heads" in name else {}))
+        for name in ("prompt-lookup", "token-recycling", "combined", "heads", "heads-combined")
+    }  # fmt: skip
+    combined = programs["combined"]
     one_node = specpass.compile_program(model, {"budget": 1, "pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(1))})
-    combined.cost_curve  # measured before timing
+    for program in programs.values():
+        program.cost_curve  # measured before timing
     rows = {
         "hf_greedy": _hf(model, False),
         "specpass_combined_greedy": _specpass(combined, False),
         "hf_sampling": _hf(model, True),
         "hf_assisted_sampling_pld": _hf_assisted(model),
         "specpass_one_node_sampling": _specpass(one_node, True),
-        "specpass_combined_sampling": _specpass(combined, True),
+        **{f"specpass_{name.replace('-', '_')}_sampling": _specpass(program, True) for name, program in programs.items()},
     }
     sets = {
         "code": [P.encode_code(tokenizer, p) for p in P.code_prompts(prompts_per_set, CODE_OFFSET)],
@@ -75,10 +83,12 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
         results[set_name] = {}
         plain_sampled = {}
         for name, runner in rows.items():
-            combined.forget()
+            for program in programs.values():
+                program.forget()
             tokens = forwards = 0
             seconds = 0.0
             differing = 0
+            speculative = name.startswith("specpass_") and name.endswith("_sampling") and "one_node" not in name
             for seed, ids in enumerate(prompt_ids):
                 started = time.perf_counter()
                 out = runner(ids, max_new_tokens, seed)
@@ -88,12 +98,12 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
                 forwards += out.stats.target_forwards if isinstance(out, specpass.Generation) else 0
                 if name == "specpass_one_node_sampling":
                     plain_sampled[seed] = sequences
-                elif name == "specpass_combined_sampling":
+                elif speculative:
                     differing += int(not torch.equal(sequences, plain_sampled[seed]))
             row = {"tokens_per_second": round(tokens / seconds, 2), "new_tokens": tokens}
             if forwards:
                 row["tau"] = round(tokens / forwards, 3)
-            if name == "specpass_combined_sampling":
+            if speculative:
                 row["outputs_differing_from_one_node_sampling"] = differing
             results[set_name][name] = row
             print(f"{set_name} {name:28s} {row}", flush=True)
@@ -117,7 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     report = run(args.prompts, args.max_new_tokens, args.out)
-    differing = [r["specpass_combined_sampling"]["outputs_differing_from_one_node_sampling"] for r in report["results"].values()]
+    differing = [row["outputs_differing_from_one_node_sampling"] for rows in report["results"].values()
+                 for row in rows.values() if isinstance(row, dict) and "outputs_differing_from_one_node_sampling" in row]  # fmt: skip
     return 1 if any(differing) else 0
 
 
