@@ -150,7 +150,7 @@ CASES = [  # the four temperatures (1.0 on a chain, the others on trees), top-k,
     (Sampling(do_sample=True, temperature=0.7, top_k=3), TREE, True),
     (Sampling(do_sample=True, temperature=1.5, top_p=0.8), TREE, True),
     (Sampling(do_sample=True, temperature=1.0), CHAIN, True),  # T = 1.0 on a chain (trees: the others)
-    (Sampling(do_sample=True, temperature=0.7, top_p=0.9), TREE, False),
+    (Sampling(do_sample=True, temperature=0.7, top_k=3), TREE, False),  # keyed: top-k (top-p: 0.65 vs 0.51 ms a draw)
 ]
 
 

@@ -6,6 +6,7 @@ safetensors and the tokenizer's files, in the cache folder (`cache_dir()`, ~540 
 model); later loads read that in a second or two. The cache entry is keyed by the file's path, size
 and modification time and by the transformers version, written under a file lock to a temporary
 folder and renamed into place, so concurrent loads convert once and never read a half-written entry.
+Entries are never pruned: a new transformers version or a reinstalled file leaves the old one behind.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def _convert(path: str, dtype: torch.dtype):
 
 
 def _store(model, tokenizer, entry: str, path: str) -> None:
-    """Write the float32 conversion to a temporary folder beside `entry`, then rename it into place (the lock
-    is held); a cache that cannot be written is skipped."""
+    """Write the float32 conversion to a temporary folder beside `entry`, then rename it into place
+    (the lock is held); a cache that cannot be written is skipped."""
     staging = None
     try:
         shutil.rmtree(entry, ignore_errors=True)  # an entry left incomplete by a killed process
