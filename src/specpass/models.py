@@ -62,17 +62,20 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     entry = _cache_entry(path)
-    if not _complete(entry) and not _convert_once(path, entry):  # no writable cache: convert every time
-        model, tokenizer = _convert(path, dtype)
-        return _remember_gguf(model, path), tokenizer
+    if not _complete(entry):
+        unstored = _convert_once(path, entry, dtype)
+        if unstored is not None:  # the cache could not keep it: this load's own conversion
+            model, tokenizer = unstored
+            return _remember_gguf(model.to(dtype), path), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(entry, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, local_files_only=True)
     return _remember_gguf(model, path), tokenizer
 
 
-def _convert_once(path: str, entry: str) -> bool:
+def _convert_once(path: str, entry: str, dtype: torch.dtype):
     """Make `entry` complete, converting the file under the entry's lock unless another process did
-    while this one waited; False when the cache cannot be written."""
+    while this one waited: None once it is complete. When the cache cannot be written (no lock, or the
+    store failed), the conversion made here: (model, tokenizer), converted once, never twice."""
     from filelock import FileLock
 
     try:
@@ -80,11 +83,13 @@ def _convert_once(path: str, entry: str) -> bool:
         lock = FileLock(entry + ".lock")
         lock.acquire()
     except OSError:
-        return False
+        return _convert(path, dtype)
     try:
-        if not _complete(entry):
-            _store(*_convert(path, torch.float32), entry, path)
-        return _complete(entry)
+        if _complete(entry):
+            return None
+        converted = _convert(path, torch.float32)  # the cache holds float32
+        _store(*converted, entry, path)
+        return None if _complete(entry) else converted
     finally:
         lock.release()
 
