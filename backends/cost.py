@@ -38,9 +38,20 @@ class CostCurve:
         """Tree size n maximising expected_tokens[n - 1] / (latency(n) + overhead).
 
         overhead: seconds per step outside the target forward (drafting, acceptance, bookkeeping).
+        The decode loop asks this every step for up to 64 sizes: the latencies come from a table
+        interpolated once per curve (`latencies`).
         """
-        rates = [e / (self.latency(n) + overhead) for n, e in enumerate(expected_tokens, start=1)]
+        latencies = self.latencies(len(expected_tokens))
+        rates = [e / (t + overhead) for e, t in zip(expected_tokens, latencies)]
         return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+    def latencies(self, up_to: int) -> list[float]:
+        """[latency(1), ..., latency(up_to)], interpolated once and kept (the curve is immutable)."""
+        table = self.__dict__.get("_table", [])
+        if len(table) < up_to:
+            table = [self.latency(n) for n in range(1, up_to + 1)]
+            object.__setattr__(self, "_table", table)  # a cache beside the frozen fields
+        return table[:up_to]
 
     @classmethod
     def lower_envelope(cls, curves: Iterable[CostCurve]) -> CostCurve:

@@ -110,11 +110,11 @@ def test_build_tree_reads_candidates_as_named_or_bare_tuples():
 
 def test_token_recycling_learns_successors_from_verify_steps():
     session = TokenRecycling(top_k=2).start([1, 2], _verified(torch.tensor([[2, 3], [4, 5]])))
-    candidates = session.candidates([1, 2]).root_candidates()
-    assert all(isinstance(c, Candidate) for c in candidates)
+    candidates = [Candidate(*c) for c in session.candidates([1, 2]).root_candidates()]  # bare tuples: hot path
     # the prefill's top-2 after 2 (4, 5), once by token and once by the pair (1, 2)
     assert [(c.token, c.key, c.state) for c in candidates] == [(4, ("tok", 0), 2), (5, ("tok", 1), 2),
                                                                (4, ("ctx", 0), 2), (5, ("ctx", 1), 2)]  # fmt: skip
+    assert [c.probability for c in candidates] == [session.stats.rate(c.key) for c in candidates]
     tree = build_tree(2, [session.candidates([1, 2])], max_nodes=3, max_depth=1)
     assert tree.tokens == (2, 4, 5) and tree.origins[1] == (0, ("ctx", 0))  # the pair's rank 0 is likelier
     session.observe(tree, _verified(torch.tensor([[8, 9]] * len(tree))), [0], [1, 2])

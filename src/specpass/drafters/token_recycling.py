@@ -22,7 +22,7 @@ import torch
 
 from specpass.drafters.base import Drafter, DraftSession, TargetForward, check_params
 from specpass.drafters.stats import AcceptanceStats
-from specpass.drafters.tree import Candidate, DraftTree
+from specpass.drafters.tree import DraftTree
 
 # P(accepted | parent accepted) by (table, rank), measured on development prompts (not the evaluation sets).
 _PRIORS = {("tok", 0): 0.3, ("tok", 1): 0.1, ("tok", 2): 0.05, ("ctx", 0): 0.45, ("ctx", 1): 0.1, ("ctx", 2): 0.05}
@@ -76,23 +76,26 @@ class TokenRecyclingSession(DraftSession):
         self.k = min(config.top_k, prompt_topk.shape[-1])
         self.stats = AcceptanceStats(_PRIORS, default=0.02)
         self.table = table
+        self.token_keys = [("tok", r) for r in range(self.k)]  # the acceptance stats' key per rank
+        self.pair_keys = [("ctx", r) for r in range(self.k)]
         previous = -1
         for token, top in zip(prompt, prompt_topk[:, : self.k].tolist()):
             table.write(previous, token, top)
             previous = token
 
-    def successors(self, previous: int, token: int) -> list[Candidate]:
-        """Candidates after `token` preceded by `previous`, keyed by (table, rank); a candidate's state
-        is `token`, the previous token of its own successors."""
-        rate = self.stats.rate
-        row = self.table.by_token.get(token, ())
-        out = [Candidate(t, rate(("tok", r)), ("tok", r), token) for r, t in enumerate(row)]
+    def successors(self, previous: int, token: int, rates: tuple[list[float], list[float]]) -> list[tuple]:
+        """Candidates (bare Candidate tuples: this runs for every node of every tree) after `token`
+        preceded by `previous`, keyed by (table, rank), with `rates` = (the token table's rate per rank,
+        the pair table's); a candidate's state is `token`, the previous token of its own successors."""
+        by_token, by_pair = rates
+        out = [(t, by_token[r], self.token_keys[r], token) for r, t in enumerate(self.table.by_token.get(token, ()))]
         pair = self.table.by_pair.get((previous, token), ())
-        out += [Candidate(t, rate(("ctx", r)), ("ctx", r), token) for r, t in enumerate(pair)]
+        out += [(t, by_pair[r], self.pair_keys[r], token) for r, t in enumerate(pair)]
         return out
 
     def candidates(self, tokens: Sequence[int]):
-        return _Successors(self, tokens[-2] if len(tokens) > 1 else -1, tokens[-1])
+        rates = [self.stats.rate(key) for key in self.token_keys], [self.stats.rate(key) for key in self.pair_keys]
+        return _Successors(self, tokens[-2] if len(tokens) > 1 else -1, tokens[-1], rates)
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         root_previous = tokens[-2] if len(tokens) > 1 else -1  # tokens ends with the tree's root
@@ -102,13 +105,17 @@ class TokenRecyclingSession(DraftSession):
 
 
 class _Successors:
-    def __init__(self, session: TokenRecyclingSession, previous: int, root: int):
+    """One tree's view of the table; the acceptance rates are read once per tree (they change only
+    when a verify step is observed)."""
+
+    def __init__(self, session: TokenRecyclingSession, previous: int, root: int, rates: tuple[list[float], list[float]]):
         self.session = session
         self.previous = previous
         self.root = root
+        self.rates = rates
 
-    def root_candidates(self) -> list[Candidate]:
-        return self.session.successors(self.previous, self.root)
+    def root_candidates(self) -> list[tuple]:
+        return self.session.successors(self.previous, self.root, self.rates)
 
-    def child_candidates(self, token: int, state) -> list[Candidate]:
-        return self.session.successors(state, token)
+    def child_candidates(self, token: int, state) -> list[tuple]:
+        return self.session.successors(state, token, self.rates)

@@ -140,16 +140,16 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
     def push(parent: int, source: int, candidates: Sequence[Candidate]) -> None:
         if depths[parent] >= max_depth:
             return
+        base = scores[parent]
         for candidate in candidates:  # Candidate, DrawnCandidate or a bare tuple of their fields
-            token, prob, key, state = candidate[:4]
-            draw = candidate[4] if len(candidate) > 4 else None
-            if prob > 0.0:
-                heapq.heappush(heap, (-scores[parent] * prob, next(tie), parent, token, source, key, state, draw))
+            if candidate[1] > 0.0:
+                heapq.heappush(heap, (-base * candidate[1], next(tie), parent, source, candidate))
 
     for s, src in enumerate(sources):
         push(0, s, src.root_candidates())
     while heap and len(tokens) < max_nodes:
-        neg_score, _, parent, token, s, key, state, draw = heapq.heappop(heap)
+        neg_score, _, parent, s, candidate = heapq.heappop(heap)
+        token, _, key, state = candidate[:4]
         node = children.get((parent, token))
         if node is None:
             node = len(tokens)
@@ -159,7 +159,7 @@ def build_tree(root: int, sources: Sequence[CandidateSource], max_nodes: int, ma
             scores.append(-neg_score)
             origins.append((s, key))
             depths.append(depths[parent] + 1)
-            drawn.append(draw)
+            drawn.append(candidate[4] if len(candidate) > 4 else None)
         if (node, s, state) not in expanded:
             expanded.add((node, s, state))
             push(node, s, sources[s].child_candidates(token, state))
