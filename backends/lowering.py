@@ -18,21 +18,24 @@ from specpass.ir.draft import draft_graph, resume_graph
 
 
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """The lowerings to build, the last one the default. `auto` -> cudagraphs on CUDA; on a CPU that
-    has oneDNN (float32) both eager and onednn, each call running the one measured faster at its tree
-    size (backends.per_size); else eager. `gguf` -> the GGUF kernels (backends.gguf_lowering) beside
-    the float32 kernel, each tree size on the faster one.
+    """The lowerings to build, the last one the default. `auto` -> inductor on CUDA (the inductor-compiled
+    step replayed in CUDA graphs); on a CPU that has oneDNN (float32) both eager and onednn, each call
+    running the one measured faster at its tree size (backends.per_size); else eager. `gguf` -> the GGUF
+    kernels (backends.gguf_lowering) beside the float32 kernel, each tree size on the faster one.
 
-    `inductor` is opt-in on CUDA: its replays beat the FX step's at every tree size measured on an H100
-    (SmolLM2-135M bf16 1.72 against 2.95 ms a one-token replay, float32 2.10 against 3.30, an 8B-shaped
-    model 8.12 against 8.62), but its compile takes one to two minutes per program and its losslessness
-    on the real model has not yet run on a GPU (docs/experiments.md, "GPU step")."""
+    Why inductor on CUDA. A small model's GPU step is bound by kernel launches; inductor fuses each
+    layer's pointwise work, so its replays beat the FX step's at every tree size measured (SmolLM2-135M
+    bf16 on an H100: 1.18 against 2.64 ms a one-token replay), and end to end the combined tree runs at
+    1079 tok/s against 307 (bf16, H200, docs/experiments.md "GPU step"); both are lossless on the real
+    model on a GPU (tests/test_gpu.py). Its price is the compile at the first call, 35-90 s per program
+    (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step in CUDA graphs)
+    starts in seconds."""
     if lowering == "gguf":  # the quantized kernels, and float32 where a tree size runs faster on them
         return ("onednn" if onednn.available(device, dtype) else "eager", "gguf")
     if lowering != "auto":
         return (lowering,)
     if device.type == "cuda":
-        return ("cudagraphs",)
+        return ("inductor",)
     return ("eager", "onednn") if onednn.available(device, dtype) else ("eager",)
 
 

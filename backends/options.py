@@ -27,9 +27,9 @@ class CompileOptions:
     """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
     lowering: eager, onednn (float32 on CPU), gguf (the linears read the quantized blocks of the GGUF
     file the model was loaded from, on a CPU; not float32-exact: backends/gguf_lowering.py), inductor (TorchInductor; replayed in CUDA graphs on
-    CUDA), cudagraphs (the FX step in CUDA graphs) or auto (cudagraphs on CUDA; on a CPU
-    with oneDNN both eager and onednn, each tree size run on the one its measured cost curve says is
-    faster; else eager);
+    CUDA), cudagraphs (the FX step in CUDA graphs) or auto (inductor on CUDA; on a CPU with oneDNN
+    both eager and onednn, each tree size run on the one its measured cost curve says is faster; else
+    eager);
     cache_size: static KV-cache slots (prompt + generated tokens + one tree);
     budget: "cost" (each step verifies the prefix of the drafted tree that maximises expected tokens
     per second on the measured cost curve) or an int N (always the first N nodes: a fixed budget,

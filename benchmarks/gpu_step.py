@@ -5,7 +5,9 @@ Model shapes: SmolLM2-135M-Instruct's (the default model) and Llama-3.1-8B's, bo
 weights (a step's time does not depend on the weights' values; nothing is downloaded). Lowerings:
 `cudagraphs` (the FX step replayed in CUDA graphs), `inductor` (the inductor-compiled step
 replayed in CUDA graphs), both with q|k|v and gate|up fused (backends.fuse_projections), and
-`inductor-unfused` (the inductor step without that fusion, for comparison in the same run).
+`inductor-unfused` (the inductor step without that fusion, for comparison in the same run). A
+lowering named `name@backend` (e.g. `cudagraphs@efficient_attention`) is captured with only that
+scaled-dot-product-attention backend allowed (torch.nn.attention.SDPBackend).
 Per (shape, dtype, lowering):
 
 - `call_ms[T]`: one verify step of T tokens over 256 committed slots through the lowering's call, as
@@ -14,27 +16,25 @@ Per (shape, dtype, lowering):
 - `kernels`: CUDA kernels one un-graphed step launches (torch.profiler, T = 2), and the 8 costliest;
 - `floor_ms`: parameter bytes / measured read bandwidth (a bf16 sum over 4 GiB).
 
-`--decode N`: end to end on the real default model (bf16): the combined tree with each lowering on
-N tuning prompts (HumanEval 140..; not the benchmark's evaluation prompts), 128 new tokens, after
-one warm-up generate (compile and cost curve excluded): tokens/s, tau, milliseconds per target
-forward (host work included), mean verified tree size, outputs identical to HF greedy.
+End to end, with where a decode step's time goes: benchmarks/decode_phases.py.
 
 Usage: python benchmarks/gpu_step.py [--shapes 135m 8b] [--dtypes bfloat16 float32] [--lowerings ...]
-       [--decode N] [--out DIR]
+       [--out DIR]
 Writes DIR/gpu-step-<device>.json (default benchmarks/results).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specpass
-from specpass import prompts
 from specpass.backends.cudagraphs import CudaGraphStep
 from specpass.backends.inductor import InductorStep
 from specpass.backends.lowering import lower
@@ -56,12 +56,12 @@ SHAPES = {
 }  # fmt: skip
 
 
-def random_model(shape: str, dtype: torch.dtype) -> torch.nn.Module:
+def random_model(shape: str, dtype: torch.dtype, device: str = "cuda") -> torch.nn.Module:
     config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
@@ -134,13 +134,21 @@ def profile(shape: str, dtype: torch.dtype, lowerings, bandwidth: float, result:
     result.update(weight_bytes=weight_bytes, floor_ms=round(1e3 * weight_bytes / bandwidth, 4), lowerings={})
     for lowering in lowerings:
         started = time.perf_counter()
-        if lowering == "inductor-unfused":
-            step = CudaGraphStep(InductorStep(gm), max_nodes=max(SIZES), cache_size=CACHE_SIZE)
-        else:
-            step, _, _ = lower(gm, lowering, torch.device("cuda"), max(SIZES), CACHE_SIZE)
-        step(torch.zeros(1, 1, dtype=torch.long, device="cuda"), SlotLayout.chain(COMMITTED, 1, "cuda"))
-        first_call_s = time.perf_counter() - started
-        calls = {n: round(call_ms(step, n), 4) for n in SIZES}
+        name, _, backend = lowering.partition("@")
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend.upper())) if backend else contextlib.nullcontext():
+                if name == "inductor-unfused":
+                    step = CudaGraphStep(InductorStep(gm), max_nodes=max(SIZES), cache_size=CACHE_SIZE)
+                else:
+                    step, _, _ = lower(gm, name, torch.device("cuda"), max(SIZES), CACHE_SIZE)
+                step(torch.zeros(1, 1, dtype=torch.long, device="cuda"), SlotLayout.chain(COMMITTED, 1, "cuda"))
+                first_call_s = time.perf_counter() - started
+                calls = {n: round(call_ms(step, n), 4) for n in SIZES}  # every bucket captured in the block
+        except RuntimeError as exc:  # e.g. an attention backend with no kernel for this mask
+            result["lowerings"][lowering] = {"failed": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            print(shape, dtype, lowering, result["lowerings"][lowering], flush=True)
+            save()
+            continue
         replays = {n: round(replay_ms(step, n), 4) for n in SIZES}
         # T = 2: the inductor step's buckets start there (its T = 1 specialisation is never compiled)
         inputs = SlotLayout.chain(COMMITTED, 2, "cuda").step_inputs(torch.zeros(1, 2, dtype=torch.long, device="cuda"))
@@ -157,43 +165,11 @@ def profile(shape: str, dtype: torch.dtype, lowerings, bandwidth: float, result:
     torch.cuda.empty_cache()
 
 
-@torch.no_grad()
-def decode(lowering: str, count: int, max_new_tokens: int = 128) -> dict:
-    """The combined tree end to end on the default model in bf16 (module docstring)."""
-    model, tokenizer = specpass.load_default_model(dtype=torch.bfloat16, device="cuda")
-    program = specpass.compile_program(model, {"lowering": lowering})
-    cases = [prompts.encode_code(tokenizer, p).cuda() for p in prompts.code_prompts(count, offset=140)]
-    started = time.perf_counter()
-    specpass.generate(program, cases[0], max_new_tokens=max_new_tokens)  # compile, cost curve, captures
-    warm_up_s = time.perf_counter() - started
-    tokens = forwards = identical = 0
-    seconds = nodes = 0.0
-    for ids in cases:
-        reference = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        out = specpass.generate(program, ids, max_new_tokens=max_new_tokens)
-        torch.cuda.synchronize()
-        seconds += time.perf_counter() - started
-        tokens += out.stats.new_tokens
-        forwards += out.stats.target_forwards
-        nodes += out.stats.mean_tree_size * (out.stats.target_forwards - 1)  # decode steps' verified nodes
-        identical += int(torch.equal(out.sequences, reference))
-    result = {"prompts": f"HumanEval[140:{140 + count}] (tuning prompts)", "warm_up_s": round(warm_up_s, 1),
-              "tokens_per_s": round(tokens / seconds, 1), "tau": round(tokens / forwards, 3),
-              "ms_per_forward": round(1e3 * seconds / forwards, 2),
-              "mean_tree_size": round(nodes / max(forwards - len(cases), 1), 1),
-              "identical_to_hf_greedy": f"{identical}/{count}"}  # fmt: skip
-    print("decode", lowering, result, flush=True)
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", default=["135m", "8b"], choices=sorted(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--lowerings", nargs="+", default=["cudagraphs", "inductor", "inductor-unfused"])
-    parser.add_argument("--decode", type=int, default=0, help="end-to-end prompts (0: none)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     bandwidth = read_bandwidth()
@@ -215,10 +191,6 @@ def main() -> None:
         for dtype_name in args.dtypes if shape == "135m" else ["bfloat16"]:
             result = report["profiles"].setdefault(f"{shape}-{dtype_name}", {})
             profile(shape, getattr(torch, dtype_name), args.lowerings, bandwidth, result, save)
-    if args.decode:
-        report["decode_bfloat16"] = {lowering: decode(lowering, args.decode) for lowering in args.lowerings
-                                     if lowering != "inductor-unfused"}  # fmt: skip
-        save()
 
 
 if __name__ == "__main__":

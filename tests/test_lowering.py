@@ -165,7 +165,7 @@ def test_auto_lowering_and_its_refusals():
     assert resolve_lowering("auto", cpu, torch.float32) == expected
     assert resolve_lowering("auto", cpu, torch.bfloat16) == ("eager",)
     assert resolve_lowering("onednn", cpu, torch.float32) == ("onednn",)
-    assert resolve_lowering("auto", torch.device("cuda"), torch.bfloat16) == ("cudagraphs",)
+    assert resolve_lowering("auto", torch.device("cuda"), torch.bfloat16) == ("inductor",)
     model = tiny_model().to(torch.bfloat16)
     gm = capture(model, cache_size=64)
     with pytest.raises(specpass.InvalidParameterError, match="'onednn' needs float32"):

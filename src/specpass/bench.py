@@ -44,7 +44,7 @@ SPECPASS_ROWS = {
 NOTES = (
     "tau = new tokens / target forwards, prefill included, for every method. specpass rows use the default "
     "lowering (on a CPU eager or onednn per tree size, whichever its measured cost curve says is faster; "
-    "cudagraphs on a GPU; specpass_onnxrt_* run the ONNX export on ONNX Runtime: "
+    "inductor in CUDA graphs on a GPU; specpass_onnxrt_* run the ONNX export on ONNX Runtime: "
     "CPU EP, or CUDA EP with IOBinding and CUDA graphs) and choose each step's tree size from the measured cost "
     "curve (up to 64 nodes) unless the row's name ends in _64 (the full 64-node tree every step). Token "
     "Recycling's table carries over from prompt to prompt within a set (the paper's hot start); each set "
