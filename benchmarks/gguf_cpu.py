@@ -1,6 +1,6 @@
 """specpass on the GGUF lowering against llama.cpp on the same GGUF file, same machine, same run.
 
-    python benchmarks/gguf_cpu.py [--prompts 12] [--max-new-tokens 128] [--out benchmarks/results]
+    python benchmarks/gguf_cpu.py [--prompts 15] [--max-new-tokens 128] [--out benchmarks/results]
 
 Rows (greedy, 128 new tokens, the benchmark's evaluation prompts: HumanEval[120:], raw, and chat
 summaries [0:], chat template; every row the same prompts, the same thread count):
@@ -11,8 +11,11 @@ summaries [0:], chat template; every row the same prompts, the same thread count
   llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty)
   llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens)
 Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
-first token; HF: not measured), tau where known, outputs
-identical to HF float32 greedy, and at each first divergence the reference's top-2 logit gap.
+first token; HF: not measured), tau where known, outputs identical to HF float32 greedy, and at each
+first divergence the reference's top-2 logit gap, `near_tie` when it is within NEAR_TIE_LOGITS (the
+gguf lowering's rounding: backends/gguf_lowering.py). `specpass_gguf` is also compared with
+`specpass_gguf_one_token` (`identical_to_one_token`: speculation on the gguf lowering against that
+lowering's own one-token greedy; a divergence there, too, must be a near-tie of the float32 logits).
 Writes gguf-cpu-<device>.json.
 """
 
@@ -27,6 +30,7 @@ import torch
 
 import specpass
 from specpass import prompts as P
+from specpass.backends.gguf_lowering import NEAR_TIE_LOGITS
 from specpass.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
 from specpass.models import GGUF_FILE, default_model_dir
 
@@ -50,10 +54,8 @@ def _llama_runner(llm, eos: set[int]):
         first = None
         for token in llm.generate(ids[0].tolist(), temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
             first = first or time.perf_counter()
-            if token in eos:
-                break
-            new.append(token)
-            if len(new) == max_new_tokens:
+            new.append(token)  # an EOS too, as HF's and specpass's outputs hold it (and count it)
+            if token in eos or len(new) == max_new_tokens:
                 break
         seconds = time.perf_counter() - t0
         sequence = torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1)
@@ -95,7 +97,8 @@ def _divergence_gap(model, sequence: torch.Tensor, reference: torch.Tensor) -> d
     at = int(different[0])
     with torch.no_grad():
         top2 = model(reference[:, :at]).logits[0, -1].topk(2).values
-    return {"at": at, "gap": round(float(top2[0] - top2[1]), 5)}
+    gap = float(top2[0] - top2[1])
+    return {"at": at, "gap": round(gap, 5), "near_tie": gap <= NEAR_TIE_LOGITS}
 
 
 def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -> dict:
@@ -122,10 +125,13 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
     for set_name, prompt_ids in sets.items():
         totals = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "prefill_seconds": 0.0, "identical": 0,
                          "divergences": []} for name in runners}  # fmt: skip
+        against_one_token = {"identical": 0, "divergences": []}  # specpass_gguf vs specpass_gguf_one_token
         for index, ids in enumerate(prompt_ids):
             reference = None
+            outputs = {}
             for name, run_one in runners.items():
                 sequence, tokens, forwards, seconds, prefill = run_one(ids, max_new_tokens)
+                outputs[name] = sequence
                 row = totals[name]
                 row["tokens"] += tokens
                 row["forwards"] = None if forwards is None or row["forwards"] is None else row["forwards"] + forwards
@@ -140,6 +146,12 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                     row["identical"] += 1
                 else:
                     row["divergences"].append({"prompt": index, **divergence, "at": divergence["at"] - ids.shape[1]})
+            divergence = _divergence_gap(model, outputs["specpass_gguf"], outputs["specpass_gguf_one_token"])
+            if divergence is None:
+                against_one_token["identical"] += 1
+            else:
+                against_one_token["divergences"].append({"prompt": index, **divergence,
+                                                          "at": divergence["at"] - ids.shape[1]})  # fmt: skip
         llama_rate = totals["llama_cpp"]["tokens"] / totals["llama_cpp"]["seconds"]
         results[set_name] = {
             name: {
@@ -153,10 +165,18 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
             }
             for name, row in totals.items()
         }  # fmt: skip
+        results[set_name]["specpass_gguf"]["identical_to_one_token"] = (
+            f"{against_one_token['identical']}/{len(prompt_ids)}")
+        results[set_name]["specpass_gguf"]["divergences_from_one_token"] = against_one_token["divergences"]
         for name, row in results[set_name].items():
             prefill = "  ?" if row["prefill_share"] is None else f"{row['prefill_share']:.0%}"
+            ties = sum(d.get("near_tie", False) for d in row["divergences"])
             print(f"{set_name:5s} {name:26s} {row['tokens_per_second']:7.2f} tok/s  x{row['vs_llama_cpp']:.2f} llama.cpp"
-                  f"  prefill {prefill}  identical {row['identical_to_hf_float32_greedy']}", flush=True)
+                  f"  prefill {prefill}  identical {row['identical_to_hf_float32_greedy']}"
+                  f" ({ties} of {len(row['divergences'])} divergences near-ties)", flush=True)
+        gguf = results[set_name]["specpass_gguf"]
+        print(f"{set_name:5s} specpass_gguf identical to its one-token greedy {gguf['identical_to_one_token']}, "
+              f"divergences {gguf['divergences_from_one_token']}", flush=True)
     report = {
         **run_identity(torch.device("cpu")),
         **evaluation_sets(prompts_per_set, max_new_tokens),
@@ -169,7 +189,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=15, help="per set (15 + 15: the issue's 30 prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", default="benchmarks/results")
