@@ -1,7 +1,9 @@
-"""Speculative decoding end to end (combined tree), and where a decode step's time goes: the verify forward (its host-side call and, on a GPU, the wait for
-the device) against the host's own work between two forwards (drafting, acceptance, the KV commit,
-the drafters' update). On a GPU the host's work is time the device sits idle: at a 1.5 ms step, every
-millisecond of it costs 40 % of the speed.
+"""Speculative decoding end to end (combined tree), and where a decode step's time goes.
+
+The verify forward (its host-side call and, on a GPU, the wait for the device) against the host's
+own work between two forwards (drafting, acceptance, the KV commit, the drafters' update). On a GPU
+the host's work is time the device sits idle: at a 1.5 ms step, every millisecond of it costs 40 %
+of the speed.
 
 Phases per decode step (milliseconds, the mean over every step of every prompt after a warm-up):
 - `draft`: building the draft tree (Drafting.draft);

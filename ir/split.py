@@ -10,6 +10,13 @@ For an exit layer k (1 <= k < L) of a captured (and possibly rewritten) step:
   [B, T, H] given as an input (in place of `input_ids`), with the step's other inputs; it returns the
   step's outputs. Its cache writes are the step's own for layers [k, L).
 
+* `skip_graph(gm, skip, L)` runs the step with the layers in `skip` left out (each one's readers read
+  the residual stream after the last layer kept before it), then the final norm and LM head. It
+  returns (logits, exit_hidden) with exit_hidden the stream after layer min(skip) - 1: the layers
+  below the first skipped one are the step's own, so `resume_graph(gm, min(skip))` verifies from
+  there. Its cache writes for the layers below min(skip) are the step's own; those of the kept layers
+  above it are the draft's approximations, which the resumed verify step overwrites.
+
 Invariant (tested): for any tokens and slot layout, running `exit_graph` then `resume_graph` on its
 `exit_hidden` writes the same cache entries and returns the same outputs as the step itself, because
 both are the step's own nodes (same ops, same order), cut apart and never recomputed. The cut is made
@@ -52,6 +59,21 @@ def exit_graph(gm: torch.fx.GraphModule, layer: int, num_layers: int) -> torch.f
     outputs = next(n for n in graph.nodes if n.op == "output")
     outputs.args = ((outputs.args[0][0], exit_hidden),)  # (logits, exit_hidden)
     _erase(graph, lambda n: info(n).layer is not None and info(n).layer >= layer)
+    return _finish(module)
+
+
+def skip_graph(gm: torch.fx.GraphModule, skip: frozenset[int], num_layers: int) -> torch.fx.GraphModule:
+    """The step without the layers in `skip` (1 <= each < num_layers; see the module docstring)."""
+    module = _module(gm, "SkipGraph")
+    graph = module.graph
+    first = min(skip)
+    exit_hidden = layer_output(graph, first - 1)
+    for layer in sorted(skip):  # ascending: a run of skipped layers all read the last layer kept before it
+        kept = max(k for k in range(layer) if k not in skip)
+        _users_after(graph, layer_output(graph, layer), layer_output(graph, kept))
+    outputs = next(n for n in graph.nodes if n.op == "output")
+    outputs.args = ((outputs.args[0][0], exit_hidden),)  # (logits, exit_hidden)
+    _erase(graph, lambda n: info(n).layer in skip)
     return _finish(module)
 
 

@@ -5,9 +5,10 @@ from specpass.rewrites.draft_heads import DRAFT_HEADS, HEADS_KIND, DraftHeads
 from specpass.rewrites.early_exit import EARLY_EXIT, EARLY_EXIT_KIND, EarlyExit, EarlyExitConfig
 from specpass.rewrites.kv_eviction import A2SF, H2O, KV_EVICTION, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV
 from specpass.rewrites.ladder_residual import LADDER_RESIDUAL, LadderResidual
+from specpass.rewrites.layer_skip import LAYER_SKIP, LayerSkip
 from specpass.rewrites.tensor_parallel import TENSOR_PARALLEL, TensorParallel
 from specpass.rewrites.tree_attention import TREE_ATTENTION, TreeAttention
 
-__all__ = ["A2SF", "H2O", "KV_EVICTION", "TOVA", "Keyformer", "KVEviction", "SinksWindow", "SnapKV", "DRAFT_HEADS", "EARLY_EXIT", "EARLY_EXIT_KIND", "HEADS_KIND", "LADDER_RESIDUAL", "TENSOR_PARALLEL",
-           "TREE_ATTENTION", "DraftHeads", "EarlyExit", "EarlyExitConfig", "LadderResidual", "TensorParallel",
+__all__ = ["A2SF", "H2O", "KV_EVICTION", "TOVA", "Keyformer", "KVEviction", "SinksWindow", "SnapKV", "DRAFT_HEADS", "EARLY_EXIT", "EARLY_EXIT_KIND", "HEADS_KIND", "LADDER_RESIDUAL", "LAYER_SKIP", "TENSOR_PARALLEL",
+           "TREE_ATTENTION", "DraftHeads", "EarlyExit", "EarlyExitConfig", "LadderResidual", "LayerSkip", "TensorParallel",
            "TreeAttention"]

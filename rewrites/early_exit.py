@@ -30,6 +30,7 @@ a trained exit adapter is the planned head that pays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,18 +81,8 @@ class EarlyExit(DraftGraphPass):
         return None
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
-        arch = arch_of(gm)
-        draft = exit_graph(gm, self.layer, arch.num_layers)
-        inputs = tuple(n.target for n in draft.graph.nodes if n.op == "placeholder")
-        spec = DraftGraphSpec(
-            kind=EARLY_EXIT_KIND,
-            source=self.name,
-            inputs=tuple(DraftTensor(name, (), "step") for name in inputs),  # the step's own inputs
-            outputs=(DraftTensor("logits", (1, TOKENS, arch.vocab_size), "model"),
-                     DraftTensor(EXIT_HIDDEN, (1, TOKENS, arch.hidden_size), "model")),  # fmt: skip
-            config=EarlyExitConfig(self.layer, arch.num_layers, gm.k_cache.shape[3]),
-            shares_cache=True,
-        )
+        draft = exit_graph(gm, self.layer, arch_of(gm).num_layers)
+        spec = resumable_spec(gm, draft, self.name, self.layer)
         return draft, spec, f"layers 0-{self.layer - 1} + the model's final norm and LM head, sharing the KV cache"
 
     def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -105,20 +96,46 @@ class EarlyExit(DraftGraphPass):
         """The draft graph runs only layers < k, the resume graph only layers >= k, and both still take
         the verify step's inputs (the resume graph `exit_hidden` in place of `input_ids`)."""
         super().verify(gm)
-        draft, resume = draft_graph(gm), resume_graph(gm)
-        if resume is None:
-            _fail("the step lost its resume graph")
-        if any(info(n).layer is not None and info(n).layer >= self.layer for n in draft.graph.nodes):
-            _fail(f"the draft graph runs a layer >= {self.layer}")
-        if any(info(n).layer is not None and info(n).layer < self.layer for n in resume.graph.nodes):
-            _fail(f"the resume graph runs a layer < {self.layer}")
-        step_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-        if [n.target for n in draft.graph.nodes if n.op == "placeholder"] != step_inputs:
-            _fail("the draft graph's inputs are no longer the verify step's (a pass after EarlyExit changed it)")
-        resumed = [EXIT_HIDDEN if name == "input_ids" else name for name in step_inputs]
-        if [n.target for n in resume.graph.nodes if n.op == "placeholder"] != resumed:
-            _fail("the resume graph's inputs are no longer the verify step's (a pass after EarlyExit changed it)")
+        left_out = f"a layer >= {self.layer}"
+        verify_draft_and_resume(gm, self.name, lambda layer: layer >= self.layer, left_out, self.layer)
 
 
-def _fail(message: str) -> None:
-    raise GraphVerificationError(f"EarlyExit: {message}")
+def resumable_spec(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, source: str, layer: int) -> DraftGraphSpec:
+    """The spec of a draft graph called as a step and verified by resuming at `layer` (EarlyExit,
+    LayerSkip): it takes the step's own inputs and returns the draft's logits and `exit_hidden`, the
+    stream the resume graph starts from; drafters.SelfDraft drives every graph of this kind."""
+    arch = arch_of(gm)
+    return DraftGraphSpec(
+        kind=EARLY_EXIT_KIND,
+        source=source,
+        inputs=tuple(DraftTensor(n.target, (), "step") for n in draft.graph.nodes if n.op == "placeholder"),
+        outputs=(DraftTensor("logits", (1, TOKENS, arch.vocab_size), "model"),
+                 DraftTensor(EXIT_HIDDEN, (1, TOKENS, arch.hidden_size), "model")),  # fmt: skip
+        config=EarlyExitConfig(layer, arch.num_layers, gm.k_cache.shape[3]),
+        shares_cache=True,
+    )
+
+
+def verify_draft_and_resume(gm: torch.fx.GraphModule, owner: str, left_out: Callable[[int], bool], left_out_text: str,
+                            resume_from: int) -> None:  # fmt: skip
+    """The invariants of a draft graph verified by resuming (EarlyExit, LayerSkip): the step has its
+    resume graph; the draft graph runs no layer that `left_out` names (`left_out_text` says which in
+    the error); the resume graph runs no layer below `resume_from`; both still take the verify step's
+    inputs (the resume graph `exit_hidden` in place of `input_ids`), which a later pass would break."""
+
+    def fail(message: str) -> None:
+        raise GraphVerificationError(f"{owner}: {message}")
+
+    draft, resume = draft_graph(gm), resume_graph(gm)
+    if resume is None:
+        fail("the step lost its resume graph")
+    if any(info(n).layer is not None and left_out(info(n).layer) for n in draft.graph.nodes):
+        fail(f"the draft graph runs {left_out_text}")
+    if any(info(n).layer is not None and info(n).layer < resume_from for n in resume.graph.nodes):
+        fail(f"the resume graph runs a layer < {resume_from}")
+    step_inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    if [n.target for n in draft.graph.nodes if n.op == "placeholder"] != step_inputs:
+        fail(f"the draft graph's inputs are no longer the verify step's (a pass after {owner} changed it)")
+    resumed = [EXIT_HIDDEN if name == "input_ids" else name for name in step_inputs]
+    if [n.target for n in resume.graph.nodes if n.op == "placeholder"] != resumed:
+        fail(f"the resume graph's inputs are no longer the verify step's (a pass after {owner} changed it)")

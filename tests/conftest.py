@@ -50,6 +50,58 @@ def token_inside_an_accepted_draft(continuation: list[int], steps: tuple[int, ..
     raise AssertionError("no multi-token step with a fresh token; pick another prompt")
 
 
+def step_inputs_of(graph, available: dict) -> dict:
+    """The entries of `available` that `graph` takes as inputs (its placeholders)."""
+    return {n.target: available[n.target] for n in graph.graph.nodes if n.op == "placeholder"}
+
+
+class RowCounter:
+    """Counts the token rows a module sees (a forward hook)."""
+
+    def __init__(self, module):
+        self.rows = 0
+        module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        self.rows += args[0].shape[-2]
+
+
+def self_draft_taus_equal_to_hf_greedy(model, options: dict) -> list[float]:
+    """Self-drafted greedy of three repetitive prompts equals HF greedy (asserted); returns the taus."""
+    import specpass
+
+    taus = []
+    for seed in range(3):
+        ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)
+        out = specpass.generate(model, ids, max_new_tokens=40, eos_token_id=[], options=options)
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                   eos_token_id=None)  # fmt: skip
+        assert torch.equal(out.sequences, reference)
+        taus.append(out.stats.tau)
+    return taus
+
+
+def check_default_model_greedy(model, cases, options: dict, min_tau: float) -> None:
+    """On a code and a chat case: greedy equals HF's; then an EOS inside an accepted draft and the
+    length limit end the generation where they must."""
+    import specpass
+
+    outputs = []
+    for ids, reference in cases[::2]:
+        outputs.append(specpass.generate(model, ids, max_new_tokens=128, options=options))
+        assert torch.equal(outputs[-1].sequences, reference)
+    ids, reference = cases[0]
+    continuation = reference[0, ids.shape[1]:].tolist()
+    out = outputs[0]  # its steps cover the whole continuation, up to the model's own EOS
+    assert out.stats.tau > min_tau
+    eos, index = token_inside_an_accepted_draft(continuation, out.stats.steps)
+    stopped = specpass.generate(model, ids, max_new_tokens=128, options=options, eos_token_id=[eos])
+    assert stopped.sequences[0, ids.shape[1]:].tolist() == continuation[: index + 1]
+    assert stopped.stats.finish_reason == "eos"
+    short = specpass.generate(model, ids, max_new_tokens=7, options=options)
+    assert short.sequences[0, ids.shape[1]:].tolist() == continuation[:7] and short.stats.finish_reason == "length"
+
+
 @pytest.fixture(scope="session")
 def default_model():
     import specpass

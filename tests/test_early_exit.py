@@ -3,7 +3,9 @@ hidden states the draft shares with the verify step, losslessness, and where it 
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, token_inside_an_accepted_draft, tiny_model
+from conftest import (
+    TINY_ARCHS, RowCounter, check_default_model_greedy, self_draft_taus_equal_to_hf_greedy, step_inputs_of, tiny_model,
+)  # fmt: skip
 
 import specpass
 from specpass.backends.onnx_export import export
@@ -18,10 +20,6 @@ from specpass.rewrites import DraftHeads, EarlyExit, TreeAttention
 EXIT = specpass.Pipeline(TreeAttention(16), EarlyExit(1))  # tiny models have 2 layers: draft with the first
 
 
-def _inputs(graph, available: dict) -> dict:
-    return {n.target: available[n.target] for n in graph.graph.nodes if n.op == "placeholder"}
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_draft_then_resume_equals_the_verify_step_and_the_draft_equals_the_first_layers(arch):
@@ -32,9 +30,9 @@ def test_draft_then_resume_equals_the_verify_step_and_the_draft_equals_the_first
     logits, hidden = gm(**inputs)[:2]
     k_cache, v_cache = gm.k_cache.clone(), gm.v_cache.clone()
     gm.k_cache.zero_(), gm.v_cache.zero_()
-    exit_logits, exit_hidden = draft_graph(gm)(**_inputs(draft_graph(gm), inputs))  # [1, T, V], [1, T, H]
+    exit_logits, exit_hidden = draft_graph(gm)(**step_inputs_of(draft_graph(gm), inputs))  # [1, T, V], [1, T, H]
     assert gm.k_cache[1].abs().sum() == 0 and torch.equal(gm.k_cache[0], k_cache[0])  # layer 0's K/V, in place
-    resumed = resume_graph(gm)(**_inputs(resume_graph(gm), inputs | {EXIT_HIDDEN: exit_hidden}))
+    resumed = resume_graph(gm)(**step_inputs_of(resume_graph(gm), inputs | {EXIT_HIDDEN: exit_hidden}))
     assert torch.equal(resumed[0], logits) and torch.equal(resumed[1], hidden)  # bit for bit: the step's own nodes
     assert torch.equal(gm.k_cache, k_cache) and torch.equal(gm.v_cache, v_cache)
     by_hand = model(ids, output_hidden_states=True).hidden_states[1]  # after the first layer, by HF
@@ -93,33 +91,14 @@ def _peaked(arch: str, seed: int = 2):
 def test_self_draft_greedy_equals_hf_greedy(arch):
     model = _peaked(arch)
     options = {"pipeline": EXIT, "drafter": SelfDraft(4), "cache_size": 128}
-    taus = []
-    for seed in range(3):
-        ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)
-        out = specpass.generate(model, ids, max_new_tokens=40, eos_token_id=[], options=options)
-        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                                   eos_token_id=None)  # fmt: skip
-        assert torch.equal(out.sequences, reference)
-        taus.append(out.stats.tau)
-    assert max(taus) > 1.5
-
-
-class _Rows:
-    """Counts the token rows a module sees (a forward hook)."""
-
-    def __init__(self, module):
-        self.rows = 0
-        module.register_forward_hook(self)
-
-    def __call__(self, module, args, output):
-        self.rows += args[0].shape[-2]
+    assert max(self_draft_taus_equal_to_hf_greedy(model, options)) > 1.5
 
 
 def test_layers_below_the_exit_run_once_per_drafted_token_and_never_in_verification():
     model = _peaked("llama")
     program = specpass.compile_program(model, specpass.CompileOptions(
         pipeline=EXIT, drafter=SelfDraft(4), cache_size=128, lowering="eager", budget=5))  # fmt: skip
-    below, above = _Rows(model.model.layers[0].self_attn.q_proj), _Rows(model.model.layers[1].self_attn.q_proj)
+    below, above = (RowCounter(layer.self_attn.q_proj) for layer in model.model.layers)
     calls = {"draft": 0, "resumed": 0, "full": 0}
     draft_run, resume, forward = program.draft.run, program.forward_from_exit, program.forward
 
@@ -149,20 +128,7 @@ def test_self_draft_on_the_default_model_equals_hf_greedy_with_eos_inside_a_draf
     forwards' time a step, the slowest drafter to test."""
     model, _ = default_model
     options = {"pipeline": specpass.Pipeline(TreeAttention(16), EarlyExit(24)), "drafter": SelfDraft(4)}
-    outputs = []
-    for ids, reference in cases[::2]:
-        outputs.append(specpass.generate(model, ids, max_new_tokens=128, options=options))
-        assert torch.equal(outputs[-1].sequences, reference)
-    ids, reference = cases[0]
-    continuation = reference[0, ids.shape[1]:].tolist()
-    out = outputs[0]  # its steps cover the whole continuation, up to the model's own EOS
-    assert out.stats.tau > 1.1  # a layer-24 exit agrees with the model often enough to take multi-token steps
-    eos, index = token_inside_an_accepted_draft(continuation, out.stats.steps)
-    stopped = specpass.generate(model, ids, max_new_tokens=128, options=options, eos_token_id=[eos])
-    assert stopped.sequences[0, ids.shape[1]:].tolist() == continuation[: index + 1]
-    assert stopped.stats.finish_reason == "eos"
-    short = specpass.generate(model, ids, max_new_tokens=7, options=options)
-    assert short.sequences[0, ids.shape[1]:].tolist() == continuation[:7] and short.stats.finish_reason == "length"
+    check_default_model_greedy(model, cases, options, min_tau=1.1)  # a layer-24 exit often agrees
 
 
 def test_self_draft_sampling_equals_one_node_sampling_with_the_same_seed():

@@ -1,4 +1,4 @@
-"""Self-drafting: a greedy chain from the model's own first layers (the EarlyExit draft graph).
+"""Self-drafting: a greedy chain from the model's own layers (the EarlyExit or LayerSkip draft graph).
 
 Each step, the session runs the draft graph once per chain node, one token at a time, in the node's
 own tree slot: the root (the last committed token) at slot `committed`, its drafted child at
@@ -9,7 +9,8 @@ below the exit run once per token, not again in verification.
 
 A chain of depth d costs d + 1 draft calls: the last one only computes the states of the last drafted
 token, so the verify step can resume the whole chain. The chain is proposed with running acceptance
-rates per depth; it needs the program's pipeline to hold `rewrites.EarlyExit`.
+rates per depth; it needs the program's pipeline to hold `rewrites.EarlyExit` (the first layers and an
+exit) or `rewrites.LayerSkip` (the step with layers left out, verified from the first one left out).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class SelfDraft(Drafter):
 
     def start(self, prompt: Sequence[int], prefill, memory=None, draft: DraftModel | None = None, seed=0) -> DraftSession:
         if draft is None or draft.spec.kind != EARLY_EXIT_KIND:
-            raise InvalidParameterError("SelfDraft needs rewrites.EarlyExit in the pipeline (its draft graph)")
+            raise InvalidParameterError("SelfDraft needs rewrites.EarlyExit or rewrites.LayerSkip in the pipeline "
+                                        "(its draft graph)")
         return SelfDraftSession(self.depth, draft, prefill.hidden.device)
 
 

@@ -108,7 +108,8 @@ class _Successors:
     """One tree's view of the table; the acceptance rates are read once per tree (they change only
     when a verify step is observed)."""
 
-    def __init__(self, session: TokenRecyclingSession, previous: int, root: int, rates: tuple[list[float], list[float]]):
+    def __init__(self, session: TokenRecyclingSession, previous: int, root: int,
+                 rates: tuple[list[float], list[float]]):
         self.session = session
         self.previous = previous
         self.root = root

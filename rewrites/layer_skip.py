@@ -1,0 +1,117 @@
+"""Layer skip: the step itself with some layers left out as a draft model, sharing its KV cache
+(self-speculation, SWIFT / Draft & Verify).
+
+Papers: SWIFT (on-the-fly layer skipping), Draft & Verify, Unified Layer Skipping; see ../shared/seeds.
+
+Rewrite. The step gains two side graphs cut from the verify graph itself (ir.split), both sharing its
+modules and its KV-cache buffers, in the same form as rewrites.EarlyExit's, so `drafters.SelfDraft`
+drives either:
+
+* the draft graph (kind "early-exit", called as a step): the whole step with the layers in `skip`
+  left out; a skipped layer's readers read the residual stream after the last layer kept before it.
+  For one token in its tree slot it returns the draft's next-token logits and `exit_hidden`, the
+  residual stream before the first skipped layer s = min(skip). It writes the token's K/V of layers
+  [0, s) into the step's cache, in the slot the verify step will use (exact: those are the step's own
+  nodes on the step's own inputs), and the K/V of the kept layers above s (approximations: their
+  inputs went through fewer layers), which the draft's next tokens attend to;
+* the resume graph: layers [s, L), final norm and LM head from `exit_hidden` (EarlyExit's at layer
+  s). The decode loop verifies the drafted chain with it, so layers below s run once per token, and
+  it overwrites every approximate K/V the draft wrote above s with the step's own.
+
+Invariants. The verify graph is untouched. The draft graph holds no node of a skipped layer and the
+resume graph none of a layer < s (`verify`); the draft graph's `exit_hidden` is the step's own stream
+after layer s - 1, so draft then resume equals the verify step (tested). Greedy output is the model's
+own: the draft only proposes. It does not apply to an empty skip set, one naming layer 0 (nothing
+below it to reuse: use the full step) or a layer past the model's, a laddered step, or a step that
+already has a draft graph (applying it twice is refused).
+
+Cost. A draft call costs about (L - |skip|) / L of a one-token step (the whole LM head included), so
+on a small model only a large skip set can pay, and a large set drafts worse: which set pays is a
+measurement (docs/experiments.md, "Self-speculation").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from specpass.errors import InvalidParameterError
+from specpass.ir import arch_of
+from specpass.ir.draft import DraftGraphSpec
+from specpass.ir.split import skip_graph
+from specpass.ir.split import resume_graph as cut_resume_graph
+from specpass.passes.draft import DraftGraphPass
+from specpass.rewrites.early_exit import EarlyExitConfig, resumable_spec, verify_draft_and_resume
+from specpass.rewrites.ladder_residual import laddered_layers
+from specpass.rewrites.tree_attention import TREE_ATTENTION
+
+LAYER_SKIP = "layer_skip"
+
+
+@dataclass(frozen=True, init=False)
+class LayerSkip(DraftGraphPass):
+    """skip: the layers the draft leaves out (stored sorted, without repeats)."""
+
+    skip: tuple[int, ...]
+
+    requires = frozenset({TREE_ATTENTION})
+    ensures = frozenset({LAYER_SKIP})
+
+    def __init__(self, skip: Iterable[int] = ()):
+        layers = tuple(skip) if isinstance(skip, Iterable) and not isinstance(skip, (str, bytes)) else None
+        if layers is None or any(not isinstance(k, int) or isinstance(k, bool) or k < 0 for k in layers):
+            raise InvalidParameterError(f"LayerSkip.skip must be layer indices (ints >= 0), got {skip!r}")
+        object.__setattr__(self, "skip", tuple(sorted(set(layers))))
+
+    @classmethod
+    def span(cls, first: int, count: int) -> LayerSkip:
+        """Skip `count` consecutive layers from `first` (a middle span drafts best for its cost)."""
+        return cls(range(first, first + count))
+
+    def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
+        layers = arch_of(gm).num_layers
+        if not self.skip:
+            return "the skip set is empty: the draft would be the model itself"
+        if self.skip[0] == 0:
+            return "the skip set names layer 0: the draft would reuse no layer's K/V (skip later layers)"
+        if self.skip[-1] >= layers:
+            return f"the skip set names layer {self.skip[-1]} but the model has {layers} layers"
+        if laddered_layers(gm.graph, layers):
+            return "the step is laddered (LadderResidual): a ladder crosses the layers the draft leaves out"
+        return None
+
+    def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
+        layers = arch_of(gm).num_layers
+        draft = skip_graph(gm, frozenset(self.skip), layers)
+        spec = resumable_spec(gm, draft, self.name, self.skip[0])  # SelfDraft drives it as an early exit's
+        return draft, spec, (f"the step without layers {_ranges(self.skip)} ({layers - len(self.skip)} of {layers} "
+                             f"layers), sharing the KV cache; verified from layer {self.skip[0]}")  # fmt: skip
+
+    def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return cut_resume_graph(gm, self.skip[0])
+
+    @classmethod
+    def config_from_dict(cls, data: dict) -> EarlyExitConfig:
+        return EarlyExitConfig(**data)
+
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """The draft graph runs no skipped layer, the resume graph no layer below the first skipped
+        one, and both still take the verify step's inputs."""
+        super().verify(gm)
+        verify_draft_and_resume(gm, self.name, lambda layer: layer in self.skip, f"a layer of {self.skip}",
+                                self.skip[0])  # fmt: skip
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """(3, 4, 5, 9) -> '3-5, 9'."""
+    spans: list[list[int]] = []
+    for layer in layers:
+        if spans and spans[-1][1] == layer - 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
+
