@@ -58,6 +58,7 @@ SHAPES = {
 
 def random_model(shape: str, dtype: torch.dtype, device: str = "cuda") -> torch.nn.Module:
     config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)  # the same weights every run (timings do not depend on them; decode_phases' trees do)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
