@@ -177,3 +177,24 @@ def test_skip_search_grows_the_set_that_keeps_agreement_highest():
         search_skip_sets(model, ids, max_size=5)
     with pytest.raises(InvalidParameterError, match="one sequence"):
         search_skip_sets(model, ids[:, :1], max_size=1)
+
+
+def test_the_self_draft_is_one_more_proposer_in_the_combined_tree(monkeypatch):
+    """Combined(SelfDraft, PromptLookup, TokenRecycling): the self-draft's chain competes for nodes in
+    the one tree (verified by the full step when the tree is not its chain alone); greedy stays HF's,
+    and some accepted nodes are the self-draft's."""
+    from specpass.drafters import Combined, Drafting, PromptLookup, TokenRecycling
+
+    model = _deep_tiny(seed=2, peaked=True)
+    accepted_sources = []
+    observe = Drafting.observe
+
+    def recording(self, tree, verified, path, tokens):
+        accepted_sources.extend(tree.origins[i][0] for i in path[1:])
+        return observe(self, tree, verified, path, tokens)
+
+    monkeypatch.setattr(Drafting, "observe", recording)
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16), LayerSkip((2,))),
+               "drafter": Combined(SelfDraft(4), PromptLookup(), TokenRecycling()), "cache_size": 128}  # fmt: skip
+    assert max(self_draft_taus_equal_to_hf_greedy(model, options)) > 1.5
+    assert 0 in accepted_sources and len(set(accepted_sources)) > 1  # the self-draft's nodes, and others'
