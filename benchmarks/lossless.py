@@ -1,11 +1,12 @@
 """Losslessness on unseen prompts: every drafter's greedy output against HF `generate` greedy, token for token.
 
-    python benchmarks/lossless.py [--prompts 10] [--max-new-tokens 128] [--out benchmarks/results]
+    python benchmarks/lossless.py [--prompts 10] [--max-new-tokens 128] [--configs NAME ...] [--out DIR]
 
 Prompts: HumanEval[140:140+N] (raw code; the benchmark uses 120.., the tests 0..) and the chat
 summaries of stdlib docstrings [10:10+N] (the benchmark uses 0..), all disjoint from the draft heads'
 training prompts. Float32, on the CPU (or the GPU when there is one). Each configuration runs the
-default tree budget (the cost curve). The ONNX Runtime rows export the default model with Hydra heads
+default tree budget (the cost curve). The self-draft rows draft with the model's own layers (an exit
+after layer 24; the step without layers 3 and 25). The ONNX Runtime rows export the default model with Hydra heads
 once and run the export.
 Sampling: each configuration also samples every prompt (settings cycled over SAMPLING, seed = prompt
 index) and is compared with plain sampling of the same seed (one-node trees): keyed noise makes them
@@ -30,14 +31,16 @@ from specpass.bench import run_identity, write_report
 from specpass.drafters.registry import drafter_by_name
 
 CODE_OFFSET, CHAT_OFFSET = 140, 10
-# configuration: (drafter, draft heads or None)
+# configuration: (drafter, the passes after TreeAttention(64))
 TORCH_CONFIGS = {
-    "prompt_lookup": ("prompt-lookup", None),
-    "token_recycling": ("token-recycling", None),
-    "combined": ("combined", None),
-    "medusa": ("heads", "medusa"),
-    "hydra": ("heads", "hydra"),
-    "hydra_combined": ("heads-combined", "hydra"),
+    "prompt_lookup": ("prompt-lookup", ()),
+    "token_recycling": ("token-recycling", ()),
+    "combined": ("combined", ()),
+    "medusa": ("heads", (specpass.rewrites.DraftHeads(kind="medusa"),)),
+    "hydra": ("heads", (specpass.rewrites.DraftHeads(kind="hydra"),)),
+    "hydra_combined": ("heads-combined", (specpass.rewrites.DraftHeads(kind="hydra"),)),
+    "self_draft_exit24": ("self-draft", (specpass.rewrites.EarlyExit(24),)),
+    "self_draft_layer_skip_3_25": ("self-draft", (specpass.rewrites.LayerSkip((3, 25)),)),
 }
 ORT_CONFIGS = {"onnxrt_combined": "combined", "onnxrt_hydra_combined": "heads-combined"}
 SAMPLING = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3))
@@ -50,14 +53,16 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def _programs(model, device, tokenizer, export_dir):
+def _programs(model, device, tokenizer, export_dir, names):
     programs = {}
-    for name, (drafter, heads) in TORCH_CONFIGS.items():
-        passes = [specpass.rewrites.TreeAttention(max_nodes=64)]
-        if heads is not None:
-            passes.append(specpass.rewrites.DraftHeads(kind=heads))
-        options = {"drafter": drafter_by_name(drafter), "pipeline": specpass.Pipeline(*passes)}
+    for name, (drafter, passes) in TORCH_CONFIGS.items():
+        if name not in names:
+            continue
+        pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(max_nodes=64), *passes)
+        options = {"drafter": drafter_by_name(drafter), "pipeline": pipeline}
         programs[name] = specpass.compile_program(torch.compile(model, backend="specpass", options=options))
+    if not set(ORT_CONFIGS) & set(names):
+        return programs
     from specpass.backends.onnx_export import export
 
     cpu_model, _ = specpass.load_default_model()  # the export's check compares ORT CPU with a CPU copy
@@ -65,12 +70,14 @@ def _programs(model, device, tokenizer, export_dir):
     with torch.no_grad():
         export(cpu_model, pipeline, export_dir, tokenizer=tokenizer)
     for name, drafter in ORT_CONFIGS.items():
+        if name not in names:
+            continue
         programs[name] = specpass.load_onnx(export_dir, drafter=drafter_by_name(drafter), device=device,
                                             cuda_graphs=device.type == "cuda")  # fmt: skip
     return programs
 
 
-def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
+def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, names=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = specpass.load_default_model(device=device)
     sets = {
@@ -79,7 +86,8 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str) -> dict:
     }
     if min(len(ids) for ids in sets.values()) < prompts_per_set:
         raise SystemExit(f"fewer than {prompts_per_set} prompts per set at these offsets")
-    programs = _programs(model, device, tokenizer, os.path.join(tempfile.mkdtemp(prefix="specpass-"), "onnx"))
+    names = names or [*TORCH_CONFIGS, *ORT_CONFIGS]
+    programs = _programs(model, device, tokenizer, os.path.join(tempfile.mkdtemp(prefix="specpass-"), "onnx"), names)
     results = {name: {"prompts": 0, "differing": [], "tau": 0.0, "sampled_differing": [], "sampled_tau": 0.0}
                for name in programs}  # fmt: skip
     one_node = specpass.compile_program(model, {"budget": 1, "pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(1))})
@@ -135,9 +143,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--configs", nargs="+", choices=[*TORCH_CONFIGS, *ORT_CONFIGS], help="(default: all)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    report = run(args.prompts, args.max_new_tokens, args.out)
+    report = run(args.prompts, args.max_new_tokens, args.out, args.configs)
     rows = report["results"].values()
     return 1 if any(row["differing"] or row["sampled_differing"] for row in rows) else 0
 
