@@ -55,6 +55,28 @@ def step_inputs_of(graph, available: dict) -> dict:
     return {n.target: available[n.target] for n in graph.graph.nodes if n.op == "placeholder"}
 
 
+@torch.no_grad()
+def draft_then_resume(gm, ids: torch.Tensor):
+    """A step with a cache-sharing draft graph (EarlyExit, LayerSkip): runs the verify step on ids
+    [1, T] as a chain from slot 0, then, on a zeroed cache, the draft graph and the resume graph from
+    its exit_hidden, asserting that the two give the step's outputs and cache writes bit for bit.
+    Returns (draft logits, exit_hidden, the cache (k, v) after the draft, the step's cache (k, v))."""
+    from specpass.ir import SlotLayout
+    from specpass.ir.draft import draft_graph, resume_graph
+    from specpass.ir.split import EXIT_HIDDEN
+
+    inputs = SlotLayout.chain(0, ids.shape[1]).step_inputs(ids)
+    logits, hidden = gm(**inputs)[:2]
+    k_cache, v_cache = gm.k_cache.clone(), gm.v_cache.clone()
+    gm.k_cache.zero_(), gm.v_cache.zero_()
+    draft_logits, exit_hidden = draft_graph(gm)(**step_inputs_of(draft_graph(gm), inputs))  # [1, T, V], [1, T, H]
+    drafted = gm.k_cache.clone(), gm.v_cache.clone()
+    resumed = resume_graph(gm)(**step_inputs_of(resume_graph(gm), inputs | {EXIT_HIDDEN: exit_hidden}))
+    assert torch.equal(resumed[0], logits) and torch.equal(resumed[1], hidden)  # bit for bit: the step's own nodes
+    assert torch.equal(gm.k_cache, k_cache) and torch.equal(gm.v_cache, v_cache)  # every draft K/V overwritten
+    return draft_logits, exit_hidden, drafted, (k_cache, v_cache)
+
+
 class RowCounter:
     """Counts the token rows a module sees (a forward hook)."""
 

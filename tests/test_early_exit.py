@@ -4,7 +4,8 @@ hidden states the draft shares with the verify step, losslessness, and where it 
 import pytest
 import torch
 from conftest import (
-    TINY_ARCHS, RowCounter, check_default_model_greedy, self_draft_taus_equal_to_hf_greedy, step_inputs_of, tiny_model,
+    TINY_ARCHS, RowCounter, check_default_model_greedy, draft_then_resume, self_draft_taus_equal_to_hf_greedy,
+    tiny_model,
 )  # fmt: skip
 
 import specpass
@@ -12,9 +13,8 @@ from specpass.backends.onnx_export import export
 from specpass.drafters import SelfDraft
 from specpass.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
 from specpass.errors import PassPipelineError
-from specpass.ir import SlotLayout, capture, draft_spec, verify
+from specpass.ir import capture, draft_spec, verify
 from specpass.ir.draft import RESUME_MODULE, draft_graph, resume_graph
-from specpass.ir.split import EXIT_HIDDEN
 from specpass.rewrites import DraftHeads, EarlyExit, TreeAttention
 
 EXIT = specpass.Pipeline(TreeAttention(16), EarlyExit(1))  # tiny models have 2 layers: draft with the first
@@ -26,15 +26,8 @@ def test_draft_then_resume_equals_the_verify_step_and_the_draft_equals_the_first
     model = tiny_model(arch)
     gm, _ = EXIT.run(capture(model, cache_size=64))
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
-    inputs = SlotLayout.chain(0, 20).step_inputs(ids)
-    logits, hidden = gm(**inputs)[:2]
-    k_cache, v_cache = gm.k_cache.clone(), gm.v_cache.clone()
-    gm.k_cache.zero_(), gm.v_cache.zero_()
-    exit_logits, exit_hidden = draft_graph(gm)(**step_inputs_of(draft_graph(gm), inputs))  # [1, T, V], [1, T, H]
-    assert gm.k_cache[1].abs().sum() == 0 and torch.equal(gm.k_cache[0], k_cache[0])  # layer 0's K/V, in place
-    resumed = resume_graph(gm)(**step_inputs_of(resume_graph(gm), inputs | {EXIT_HIDDEN: exit_hidden}))
-    assert torch.equal(resumed[0], logits) and torch.equal(resumed[1], hidden)  # bit for bit: the step's own nodes
-    assert torch.equal(gm.k_cache, k_cache) and torch.equal(gm.v_cache, v_cache)
+    exit_logits, exit_hidden, (k_drafted, _), (k_cache, _) = draft_then_resume(gm, ids)
+    assert k_drafted[1].abs().sum() == 0 and torch.equal(k_drafted[0], k_cache[0])  # layer 0's K/V, in place
     by_hand = model(ids, output_hidden_states=True).hidden_states[1]  # after the first layer, by HF
     torch.testing.assert_close(exit_hidden, by_hand, rtol=0, atol=1e-5)
     if arch == "llama":  # a plain exit: the model's final norm and LM head on that state

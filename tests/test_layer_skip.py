@@ -3,15 +3,14 @@
 import pytest
 import torch
 import transformers
-from conftest import RowCounter, check_default_model_greedy, self_draft_taus_equal_to_hf_greedy, step_inputs_of
+from conftest import RowCounter, check_default_model_greedy, draft_then_resume, self_draft_taus_equal_to_hf_greedy
 
 import specpass
 from specpass.drafters import SelfDraft
 from specpass.backends.onnx_export import export
 from specpass.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
-from specpass.ir import SlotLayout, capture, draft_spec
-from specpass.ir.draft import draft_graph, resume_graph
-from specpass.ir.split import EXIT_HIDDEN
+from specpass.ir import capture, draft_spec
+from specpass.ir.draft import draft_graph
 from specpass.rewrites import EarlyExit, LayerSkip, TreeAttention
 from specpass.tiny_models import TINY, TINY_CONFIGS
 
@@ -43,16 +42,9 @@ def test_draft_is_the_model_without_those_layers_and_resume_equals_the_verify_st
     gm, _ = specpass.Pipeline(TreeAttention(16), LayerSkip(skip)).run(capture(model, cache_size=64))
     first = skip[0]
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
-    inputs = SlotLayout.chain(0, 20).step_inputs(ids)
-    logits, hidden = gm(**inputs)[:2]
-    k_cache, v_cache = gm.k_cache.clone(), gm.v_cache.clone()
-    gm.k_cache.zero_(), gm.v_cache.zero_()
-    draft_logits, exit_hidden = draft_graph(gm)(**step_inputs_of(draft_graph(gm), inputs))  # [1, T, V], [1, T, H]
-    assert torch.equal(gm.k_cache[:first], k_cache[:first]) and torch.equal(gm.v_cache[:first], v_cache[:first])
-    assert all(gm.k_cache[layer].abs().sum() == 0 for layer in skip)  # a skipped layer writes nothing
-    resumed = resume_graph(gm)(**step_inputs_of(resume_graph(gm), inputs | {EXIT_HIDDEN: exit_hidden}))
-    assert torch.equal(resumed[0], logits) and torch.equal(resumed[1], hidden)  # the step's own nodes
-    assert torch.equal(gm.k_cache, k_cache) and torch.equal(gm.v_cache, v_cache)  # the draft's K/V overwritten
+    draft_logits, exit_hidden, (k_drafted, v_drafted), (k_cache, v_cache) = draft_then_resume(gm, ids)
+    assert torch.equal(k_drafted[:first], k_cache[:first]) and torch.equal(v_drafted[:first], v_cache[:first])
+    assert all(k_drafted[layer].abs().sum() == 0 for layer in skip)  # a skipped layer writes nothing
     by_hand = model(ids, output_hidden_states=True).hidden_states[first]  # after layer first - 1, by HF
     torch.testing.assert_close(exit_hidden, by_hand, rtol=0, atol=1e-5)
     for layer in skip:
