@@ -23,9 +23,14 @@ changed the verify graph would leave them stale, so none may follow: `verify` ch
 inputs still match the step's). It does not apply when k is not in [1, L) (no layer to draft with,
 or none to verify with), and a step has one draft graph, so applying it twice is refused.
 
-The exit head is the model's own (final norm + LM head): training-free and exact to build, but on
-small models an early layer's plain exit rarely agrees with the full model (docs/experiments.md);
-a trained exit adapter is the planned head that pays.
+Exit head. By default the model's own (final norm + LM head): training-free, but on a small model an
+early layer's plain exit rarely agrees with the full model (docs/experiments.md). With `adapter`, a
+trained exit adapter (heads.exit_adapter: residual MLP blocks, a final norm, a head over a draft
+vocabulary) reads `exit_hidden` instead, and the draft graph returns its logits over the draft
+vocabulary with the token ids `vocab` [D]: the step's final norm and LM head are not in the draft
+graph at all (`verify`), which is what makes an exit cheap. The adapter reads no cache, so the draft
+graph's cache writes are the same either way; it must have been trained for this model and this
+exit layer, else the pass does not apply (the reason says which).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from specpass.drafters.self_draft import EARLY_EXIT_KIND  # the draft-graph kind
 from specpass.errors import GraphVerificationError, InvalidParameterError
 from specpass.ir import arch_of, info
 from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, resume_graph
+from specpass.ir.roles import Role, annotate
 from specpass.ir.split import EXIT_HIDDEN, exit_graph
 from specpass.ir.split import resume_graph as cut_resume_graph
 from specpass.passes.draft import DraftGraphPass
@@ -47,6 +53,8 @@ from specpass.rewrites.ladder_residual import laddered_layers
 from specpass.rewrites.tree_attention import TREE_ATTENTION
 
 EARLY_EXIT = "early_exit"
+ADAPTER_KIND = "exit_adapter"  # the shipped adapter's directory under data/heads
+ADAPTER_MODULE = "exit_adapter"  # the draft graph's submodule holding the adapter
 TOKENS = "T"  # the step's token dimension in the spec
 
 
@@ -57,13 +65,17 @@ class EarlyExitConfig:
     layer: int  # the draft runs layers [0, layer)
     num_layers: int
     cache_size: int
+    agreement: float = 0.0  # an exit adapter's held-out top-1 agreement with the model (0: not known)
 
 
 @dataclass(frozen=True)
 class EarlyExit(DraftGraphPass):
-    """layer: the draft runs the step's layers [0, layer) and exits through its final norm + LM head."""
+    """layer: the draft runs the step's layers [0, layer), then exits through the step's final norm + LM
+    head, or with `adapter` (a `specpass train-heads --kind exit-adapter` directory, or "default" for
+    the one shipped for the embedded default model) through that trained exit adapter."""
 
     layer: int = 8
+    adapter: str | None = None
 
     requires = frozenset({TREE_ATTENTION})
     ensures = frozenset({EARLY_EXIT})
@@ -71,6 +83,13 @@ class EarlyExit(DraftGraphPass):
     def __post_init__(self):
         if not isinstance(self.layer, int) or isinstance(self.layer, bool) or self.layer < 1:
             raise InvalidParameterError(f"EarlyExit.layer must be a positive int, got {self.layer!r}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InvalidParameterError(f"EarlyExit.adapter must be a directory, 'default' or None, got {self.adapter!r}")
+
+    def adapter_directory(self) -> str | None:
+        from specpass.heads.io import shipped_heads
+
+        return shipped_heads(ADAPTER_KIND) if self.adapter == "default" else self.adapter
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
         layers = arch_of(gm).num_layers
@@ -78,12 +97,42 @@ class EarlyExit(DraftGraphPass):
             return f"an exit after layer {self.layer} leaves none of the model's {layers} layers to verify with"
         if laddered_layers(gm.graph, layers):
             return "the step is laddered (LadderResidual): a ladder crosses the layer boundary the exit cuts at"
+        return None if self.adapter is None else self._check_adapter(gm)
+
+    def _check_adapter(self, gm: torch.fx.GraphModule) -> str | None:
+        from specpass.heads.exit_adapter import read_exit_adapter_config
+        from specpass.heads.io import model_fingerprint
+
+        directory = self.adapter_directory()
+        try:
+            config = read_exit_adapter_config(directory)
+        except InvalidParameterError as exc:
+            return str(exc)
+        if config.layer != self.layer:
+            return (f"the exit adapter in {directory} reads the stream after layer {config.layer}, not {self.layer}: "
+                    f"use EarlyExit({config.layer}, adapter=...)")  # fmt: skip
+        arch = arch_of(gm)
+        if (config.hidden_size, config.vocab_size) != (arch.hidden_size, arch.vocab_size):
+            return (f"an exit adapter of hidden size {config.hidden_size} and vocabulary {config.vocab_size} does not "
+                    f"fit a model of hidden size {arch.hidden_size} and vocabulary {arch.vocab_size}")  # fmt: skip
+        identity = model_fingerprint(gm.get_submodule("lm_head"))
+        if config.model != identity:
+            return f"the exit adapter in {directory} was trained for model {config.model}, this model is {identity}"
         return None
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
+        from specpass.heads.exit_adapter import load_exit_adapter
+
         draft = exit_graph(gm, self.layer, arch_of(gm).num_layers)
-        spec = resumable_spec(gm, draft, self.name, self.layer)
-        return draft, spec, f"layers 0-{self.layer - 1} + the model's final norm and LM head, sharing the KV cache"
+        if self.adapter is None:
+            spec = resumable_spec(gm, draft, self.name, self.layer)
+            return draft, spec, f"layers 0-{self.layer - 1} + the model's final norm and LM head, sharing the KV cache"
+        adapter = load_exit_adapter(self.adapter_directory(), gm.get_submodule("lm_head"))
+        draft = exit_through_adapter(draft, adapter)
+        spec = resumable_spec(gm, draft, self.name, self.layer, adapter.config.draft_vocab, adapter.config.agreement)
+        summary = (f"layers 0-{self.layer - 1} + a trained exit adapter ({adapter.config.blocks} MLP block, "
+                   f"{adapter.config.draft_vocab}-token head), sharing the KV cache")  # fmt: skip
+        return draft, spec, summary
 
     def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return cut_resume_graph(gm, self.layer)
@@ -98,20 +147,54 @@ class EarlyExit(DraftGraphPass):
         super().verify(gm)
         left_out = f"a layer >= {self.layer}"
         verify_draft_and_resume(gm, self.name, lambda layer: layer >= self.layer, left_out, self.layer)
+        draft = draft_graph(gm)
+        exits_through_adapter = any(n.op == "call_module" and n.target == ADAPTER_MODULE for n in draft.graph.nodes)
+        if exits_through_adapter != (self.adapter is not None):
+            raise GraphVerificationError(f"{self.name}: the draft graph {'does not exit' if self.adapter else 'exits'} "
+                                         "through an exit adapter")  # fmt: skip
+        if self.adapter is not None and any(info(n).role in (Role.LM_HEAD, Role.NORM) and info(n).layer is None
+                                            for n in draft.graph.nodes):  # fmt: skip
+            raise GraphVerificationError(f"{self.name}: the adapter's draft graph still runs the step's final norm "
+                                         "or LM head")  # fmt: skip
 
 
-def resumable_spec(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, source: str, layer: int) -> DraftGraphSpec:
+def exit_through_adapter(draft: torch.fx.GraphModule, adapter: torch.nn.Module) -> torch.fx.GraphModule:
+    """The exit graph `draft` with `adapter` (heads.exit_adapter) in place of its final norm and LM head:
+    outputs (the adapter's logits [B, T, D], exit_hidden [B, T, H], vocab [D]); the step's final norm
+    and LM head, read by nothing any more, leave the graph."""
+    graph = draft.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    exit_hidden = output.args[0][1]
+    draft.add_submodule(ADAPTER_MODULE, adapter)
+    with graph.inserting_before(output):
+        logits = annotate(graph.call_module(ADAPTER_MODULE, (exit_hidden,)), Role.DRAFT)
+        vocab = annotate(graph.get_attr(f"{ADAPTER_MODULE}.vocab"), Role.DRAFT)
+    output.args = ((logits, exit_hidden, vocab),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    draft.delete_all_unused_submodules()
+    draft.recompile()
+    return draft
+
+
+def resumable_spec(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, source: str, layer: int,
+                   draft_vocab: int = 0, agreement: float = 0.0) -> DraftGraphSpec:  # fmt: skip
     """The spec of a draft graph called as a step and verified by resuming at `layer` (EarlyExit,
     LayerSkip): it takes the step's own inputs and returns the draft's logits and `exit_hidden`, the
-    stream the resume graph starts from; drafters.SelfDraft drives every graph of this kind."""
+    stream the resume graph starts from, and with a draft vocabulary of `draft_vocab` tokens (an exit
+    adapter's) the logits are over those and their ids `vocab` come third; `agreement`: the exit
+    head's measured agreement, the drafter's prior; drafters.SelfDraft drives every graph of this kind."""
     arch = arch_of(gm)
+    outputs = (DraftTensor("logits", (1, TOKENS, draft_vocab or arch.vocab_size), "model"),
+               DraftTensor(EXIT_HIDDEN, (1, TOKENS, arch.hidden_size), "model"))  # fmt: skip
+    if draft_vocab:
+        outputs += (DraftTensor("vocab", (draft_vocab,), "int64"),)
     return DraftGraphSpec(
         kind=EARLY_EXIT_KIND,
         source=source,
         inputs=tuple(DraftTensor(n.target, (), "step") for n in draft.graph.nodes if n.op == "placeholder"),
-        outputs=(DraftTensor("logits", (1, TOKENS, arch.vocab_size), "model"),
-                 DraftTensor(EXIT_HIDDEN, (1, TOKENS, arch.hidden_size), "model")),  # fmt: skip
-        config=EarlyExitConfig(layer, arch.num_layers, gm.k_cache.shape[3]),
+        outputs=outputs,
+        config=EarlyExitConfig(layer, arch.num_layers, gm.k_cache.shape[3], agreement),
         shares_cache=True,
     )
 

@@ -69,7 +69,7 @@ def draft_then_resume(gm, ids: torch.Tensor):
     logits, hidden = gm(**inputs)[:2]
     k_cache, v_cache = gm.k_cache.clone(), gm.v_cache.clone()
     gm.k_cache.zero_(), gm.v_cache.zero_()
-    draft_logits, exit_hidden = draft_graph(gm)(**step_inputs_of(draft_graph(gm), inputs))  # [1, T, V], [1, T, H]
+    draft_logits, exit_hidden = draft_graph(gm)(**step_inputs_of(draft_graph(gm), inputs))[:2]  # [1, T, V], [1, T, H]
     drafted = gm.k_cache.clone(), gm.v_cache.clone()
     resumed = resume_graph(gm)(**step_inputs_of(resume_graph(gm), inputs | {EXIT_HIDDEN: exit_hidden}))
     assert torch.equal(resumed[0], logits) and torch.equal(resumed[1], hidden)  # bit for bit: the step's own nodes

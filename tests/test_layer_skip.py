@@ -98,7 +98,7 @@ def test_verify_catches_a_stale_layer_skip():
 def test_layer_skip_self_draft_greedy_equals_hf_greedy(arch):
     model = _deep_tiny(arch, seed=2, peaked=True)
     options = {"pipeline": specpass.Pipeline(TreeAttention(16), LayerSkip((2,))), "drafter": SelfDraft(4),
-               "cache_size": 128}  # fmt: skip
+               "cache_size": 128, "budget": 5}  # fmt: skip
     assert max(self_draft_taus_equal_to_hf_greedy(model, options)) > 1.5
 
 
@@ -187,6 +187,7 @@ def test_the_self_draft_is_one_more_proposer_in_the_combined_tree(monkeypatch):
 
     monkeypatch.setattr(Drafting, "observe", recording)
     options = {"pipeline": specpass.Pipeline(TreeAttention(16), LayerSkip((2,))),
-               "drafter": Combined(SelfDraft(4), PromptLookup(), TokenRecycling()), "cache_size": 128}  # fmt: skip
+               "drafter": Combined(SelfDraft(4), PromptLookup(), TokenRecycling()),
+               "cache_size": 128, "budget": 5}  # fmt: skip
     assert max(self_draft_taus_equal_to_hf_greedy(model, options)) > 1.5
     assert 0 in accepted_sources and len(set(accepted_sources)) > 1  # the self-draft's nodes, and others'

@@ -219,23 +219,43 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
     import torch
 
+    from specpass.errors import InvalidParameterError
+    from specpass.heads.exit_training import ExitTrainConfig, train_exit_adapter
     from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
     from specpass.models import load_model
     from specpass.training_prompts import held_out_prompts, training_prompts
 
-    given = {"kind": args.kind, "num_heads": args.heads, "prompts": args.prompts, "epochs": args.epochs,
-             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "held_out": args.held_out,
-             "draft_vocab": args.draft_vocab}  # fmt: skip
-    config = TrainConfig(**{name: value for name, value in given.items() if value is not None})
+    given = {"prompts": args.prompts, "epochs": args.epochs, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+             "held_out": args.held_out, "draft_vocab": args.draft_vocab}  # fmt: skip
+    adapter = args.kind == "exit-adapter"
+    if adapter:
+        if args.heads is not None:
+            raise InvalidParameterError("--heads is for draft heads; an exit adapter takes --layer")
+        given |= {"layer": args.layer, "blocks": args.blocks, "inner_size": args.inner_size}
+    else:
+        if any(v is not None for v in (args.layer, args.blocks, args.inner_size)):
+            raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
+        given |= {"kind": args.kind, "num_heads": args.heads}
+    config = (ExitTrainConfig if adapter else TrainConfig)(**{k: v for k, v in given.items() if v is not None})
+    exit_layer = config.layer if adapter else None
     model, tokenizer, _ = load_model(args.model, device=args.device)
     if args.corpus and os.path.exists(args.corpus):
         corpus = [Continuation(tokens, start) for tokens, start in torch.load(args.corpus)]
         print(f"corpus: {len(corpus)} sequences from {args.corpus}")
     else:
-        corpus = generate_corpus(model, training_prompts(tokenizer, config.prompts), config.max_new_tokens)
+        prompts = training_prompts(tokenizer, config.prompts)
+        corpus = generate_corpus(model, prompts, config.max_new_tokens, exit_layer=exit_layer)
         if args.corpus:
             torch.save([(c.tokens, c.start) for c in corpus], args.corpus)
-    held_out = generate_corpus(model, held_out_prompts(tokenizer, config.held_out), config.max_new_tokens)
+    held_prompts = held_out_prompts(tokenizer, config.held_out)
+    held_out = generate_corpus(model, held_prompts, config.max_new_tokens, exit_layer=exit_layer)
+    if adapter:
+        _, result, report = train_exit_adapter(model, corpus, held_out, config, out_dir=args.out)
+        print(f"wrote {args.out}: an exit adapter after layer {result.layer} for model {result.model}, "
+              f"a draft vocabulary of {result.draft_vocab} tokens")
+        print(f"  held-out top-1 agreement with the model: {report['adapter_agreement']:.3f} "
+              f"(the plain exit after layer {result.layer}: {report['plain_exit_agreement']:.3f})")
+        return 0
     _, heads, _ = train_heads(model, corpus, held_out, config, out_dir=args.out)
     vocab = f"a draft vocabulary of {heads.draft_vocab} tokens" if heads.draft_vocab else "the whole vocabulary"
     print(f"wrote {args.out}: {heads.num_heads} {heads.kind} heads for model {heads.model}, {vocab}")
@@ -324,11 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
     exp.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ORT/PyTorch comparison")
     exp.set_defaults(run=cmd_export)
-    heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads for a model")
+    heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads, or an exit adapter, for a model")
     heads.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
-    heads.add_argument("--kind", choices=("medusa", "hydra"), default="medusa")
-    heads.add_argument("--out", required=True, help="output directory (heads.safetensors + heads.json)")
+    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter"), default="medusa")
+    heads.add_argument("--out", required=True, help="output directory (heads or exit_adapter .safetensors + .json)")
     heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
+    heads.add_argument("--layer", type=int, help="exit-adapter: it reads the stream after layers [0, layer) (default 4)")
+    heads.add_argument("--blocks", type=int, help="exit-adapter: residual MLP blocks (default 1)")
+    heads.add_argument("--inner-size", type=int, help="exit-adapter: each block's MLP width (default 1536)")
     heads.add_argument("--prompts", type=int,
                        help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000)")
     heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2)")

@@ -18,7 +18,9 @@ DRAFTERS = {
     "heads-static": lambda: Heads(tree="static"),
     "heads-drawn": lambda: Heads(tree="static", temperature=1.0),  # drawn at T = 1: the multi-candidate rule
     "heads-combined": lambda: Combined(Heads(), PromptLookup(), TokenRecycling()),
-    "self-draft": SelfDraft,  # the model's first layers (needs EarlyExit in the pipeline)
+    "self-draft": SelfDraft,  # the model's first layers (needs EarlyExit or LayerSkip in the pipeline)
+    "self-draft-adaptive": lambda: SelfDraft(adaptive=True),  # its chain depth chosen each step, 0: off
+    "self-draft-combined": lambda: Combined(SelfDraft(adaptive=True), PromptLookup(), TokenRecycling()),
 }
 DRAFTER_NAMES = tuple(DRAFTERS)
 

@@ -1,7 +1,9 @@
-"""Saving and loading draft heads: `heads.safetensors` (the weights) beside `heads.json` (HeadsConfig).
+"""Saving and loading trained draft modules: draft heads (`heads.safetensors` beside `heads.json`,
+a HeadsConfig) and exit adapters (`exit_adapter.safetensors` beside `exit_adapter.json`, an
+ExitAdapterConfig).
 
-Heads belong to one model: the JSON records the model's fingerprint, and loading them for another
-model is refused with the two identities in the message.
+A draft module belongs to one model: the JSON records the model's fingerprint, and loading it for
+another model is refused with the two identities in the message.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from specpass.heads.modules import HeadsConfig, make_heads
 
 WEIGHTS = "heads.safetensors"
 CONFIG = "heads.json"
+ADAPTER_WEIGHTS = "exit_adapter.safetensors"
+ADAPTER_CONFIG = "exit_adapter.json"
 
 
 class HeadsMismatchError(SpecpassError):
-    """The heads were trained for another model."""
+    """The heads (or the exit adapter) were trained for another model."""
 
 
 def model_fingerprint(lm_head: nn.Module) -> str:
@@ -35,27 +39,46 @@ def model_fingerprint(lm_head: nn.Module) -> str:
 
 
 def shipped_heads(kind: str) -> str:
-    """Directory of the heads shipped for the embedded default model."""
+    """Directory of the heads (kind "medusa", "hydra") or exit adapter ("exit_adapter") shipped for the
+    embedded default model."""
     return str(importlib.resources.files("specpass") / "data" / "heads" / kind)
 
 
-def save_heads(heads: nn.Module, config: HeadsConfig, directory: str, dtype: torch.dtype = torch.float16) -> None:
+def save_module(module: nn.Module, config, directory: str, weights: str, config_name: str,
+                dtype: torch.dtype = torch.float16) -> None:  # fmt: skip
+    """`module`'s state (floating tensors in `dtype`) to `weights` and the dataclass `config` to `config_name`."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     tensors = {name: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
-               for name, t in heads.state_dict().items()}  # fmt: skip
-    save_file(tensors, os.path.join(directory, WEIGHTS))
-    with open(os.path.join(directory, CONFIG), "w") as f:
+               for name, t in module.state_dict().items()}  # fmt: skip
+    save_file(tensors, os.path.join(directory, weights))
+    with open(os.path.join(directory, config_name), "w") as f:
         json.dump(dataclasses.asdict(config), f, indent=2)
 
 
-def read_config(directory: str) -> HeadsConfig:
-    path = os.path.join(directory, CONFIG)
+def read_json(directory: str, config_name: str, what: str, hint: str) -> dict:
+    """The JSON config `config_name` in `directory`; a clear error naming `what` and how to make one."""
+    path = os.path.join(directory, config_name)
     if not os.path.exists(path):
-        raise InvalidParameterError(f"no draft heads at {directory!r} (no {CONFIG}); train some with `specpass train-heads`")
+        raise InvalidParameterError(f"no {what} at {directory!r} (no {config_name}); {hint}")
     with open(path) as f:
-        data = json.load(f)
+        return json.load(f)
+
+
+def check_model(trained_for: str, lm_head: nn.Module, directory: str, what: str) -> None:
+    """Refuse a draft module trained for another model than the one `lm_head` belongs to."""
+    identity = model_fingerprint(lm_head)
+    if trained_for != identity:
+        raise HeadsMismatchError(f"the {what} in {directory}: trained for model {trained_for}, this model is {identity}")
+
+
+def save_heads(heads: nn.Module, config: HeadsConfig, directory: str, dtype: torch.dtype = torch.float16) -> None:
+    save_module(heads, config, directory, WEIGHTS, CONFIG, dtype)
+
+
+def read_config(directory: str) -> HeadsConfig:
+    data = read_json(directory, CONFIG, "draft heads", "train some with `specpass train-heads`")
     data["accuracy"] = tuple(tuple(row) for row in data.get("accuracy", ()))
     return HeadsConfig(**data)
 
@@ -65,11 +88,7 @@ def load_heads(directory: str, lm_head: nn.Module) -> tuple[nn.Module, HeadsConf
     from safetensors.torch import load_file
 
     config = read_config(directory)
-    identity = model_fingerprint(lm_head)
-    if config.model != identity:
-        raise HeadsMismatchError(
-            f"the heads in {directory} were trained for model {config.model}, this model is {identity}"
-        )
+    check_model(config.model, lm_head, directory, "heads")
     heads = make_heads(config)
     heads.load_state_dict(load_file(os.path.join(directory, WEIGHTS)))
     weight = lm_head.weight

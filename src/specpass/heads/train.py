@@ -75,30 +75,41 @@ class Continuation:
     tokens: torch.Tensor  # [L] int64: prompt + greedy continuation
     start: int  # first position t whose x[t+1] the model generated (prompt length - 1)
     hidden: torch.Tensor | None = None  # [L - 1, H] float32: final normed states of all but the last token
+    exit_hidden: torch.Tensor | None = None  # [L - 1, H] float32: the same positions' input to the exit layer
 
 
-class _FinalNormCapture:
-    """Forward hook on the model's final norm: the normed hidden states [B, S, H] of every forward,
-    which is what the LM head reads (generate computes them anyway; the teacher reuses them)."""
+class _StateCapture:
+    """Forward hooks catching the states [B, S, H] of every forward: the output of the model's final
+    norm (what the LM head reads; generate computes it anyway, the teacher reuses it) and, with
+    `exit_layer`, the input of that decoder layer (the residual stream an exit adapter reads)."""
 
-    def __init__(self, model: nn.Module):
-        self.calls: list[torch.Tensor] = []
-        self.handle = model.model.norm.register_forward_hook(lambda _m, _i, out: self.calls.append(out.float().cpu()))
+    def __init__(self, model: nn.Module, exit_layer: int | None = None):
+        self.final: list[torch.Tensor] = []
+        self.exit: list[torch.Tensor] = []
+        self.handles = [model.model.norm.register_forward_hook(lambda _m, _i, out: self.final.append(out.float().cpu()))]
+        if exit_layer is not None:
+            def catch(_module, args, kwargs):
+                self.exit.append((args[0] if args else kwargs["hidden_states"]).float().cpu())
 
-    def take(self) -> list[torch.Tensor]:
-        calls, self.calls = self.calls, []
-        return calls
+            layer = model.model.layers[exit_layer]
+            self.handles.append(layer.register_forward_pre_hook(catch, with_kwargs=True))
+
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        final, exit, self.final, self.exit = self.final, self.exit, [], []
+        return final, exit
 
     def close(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 @torch.no_grad()
 def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int | None = None,
-                    progress: bool = True) -> list[Continuation]:  # fmt: skip
+                    progress: bool = True, exit_layer: int | None = None) -> list[Continuation]:  # fmt: skip
     """The model's greedy continuations of `prompts` [1, P] each, up to EOS, `batch_size` at a time
     (default 48 on the CPU, 256 on a GPU), with the final normed hidden state of every position but
-    the last (`Continuation.hidden`).
+    the last (`Continuation.hidden`) and, with `exit_layer`, the residual stream entering that layer
+    (`Continuation.exit_hidden`: what an exit adapter after layers [0, exit_layer) reads).
 
     The states come from the generation's own forwards (prefill, then one token per step), caught on
     the final norm, so the teacher needs no second forward over the corpus. Batches group prompts of
@@ -116,7 +127,7 @@ def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_token
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[1])
     out: dict[int, Continuation] = {}
-    capture = _FinalNormCapture(model)
+    capture = _StateCapture(model, exit_layer)
     bar = tqdm(total=len(prompts), desc="self-distillation corpus", disable=not progress)
     try:
         for first in range(0, len(order), batch_size):
@@ -129,22 +140,28 @@ def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_token
                 ids[row, width - length :], mask[row, width - length :] = prompts[i][0], 1
             generated = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                                        do_sample=False, pad_token_id=pad)[:, width:].cpu()  # fmt: skip
-            prefill, *steps = capture.take()  # [B, width, H], then [B, 1, H] per generated token but the last
-            if prefill.shape[1] != width or any(step.shape[1] != 1 for step in steps):
-                raise RuntimeError("generate did not run one prefill and then one token per forward")
-            states = torch.cat([prefill, *steps], dim=1)  # [B, width + new - 1, H]
+            caught = [_concat_steps(calls, width) for calls in capture.take() if calls]  # [B, width + new - 1, H]
             for row, i in enumerate(chunk):
                 new = generated[row].tolist()
                 stop = next((j + 1 for j, token in enumerate(new) if token in eos), len(new))
                 length = prompts[i].shape[1]
                 tokens = torch.cat((prompts[i][0].cpu(), torch.tensor(new[:stop], dtype=torch.long)))
-                hidden = states[row, width - length : width + stop - 1].clone()  # [L - 1, H]
-                out[i] = Continuation(tokens, length - 1, hidden)
+                hidden, *exit_hidden = (c[row, width - length : width + stop - 1].clone() for c in caught)  # [L - 1, H]
+                out[i] = Continuation(tokens, length - 1, hidden, exit_hidden[0] if exit_hidden else None)
             bar.update(len(chunk))
     finally:
         capture.close()
         bar.close()
     return [out[i] for i in range(len(prompts))]
+
+
+def _concat_steps(calls: list[torch.Tensor], width: int) -> torch.Tensor:
+    """One generate call's states [B, width + new - 1, H] from its forwards: the prefill [B, width, H],
+    then [B, 1, H] per generated token but the last."""
+    prefill, *steps = calls
+    if prefill.shape[1] != width or any(step.shape[1] != 1 for step in steps):
+        raise RuntimeError("generate did not run one prefill and then one token per forward")
+    return torch.cat([prefill, *steps], dim=1)
 
 
 @dataclass(frozen=True)
@@ -244,6 +261,20 @@ class _DraftVocabulary:
         return rows if self.vocab_ids is None else self.vocab_ids[rows]
 
 
+def cosine_adamw(parameters, lr: float, steps: int):
+    """AdamW (no weight decay) and a cosine schedule from `lr` to 0 over `steps` steps."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    return optimizer, schedule
+
+
+def sparse_kl(target: torch.Tensor, rows: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """KL(model || student), averaged over positions, on the model's sparse law: `target` [..., TOP]
+    probabilities on output rows `rows` [..., TOP], against the student's `log_probs` [..., D] (its
+    gradient is the cross-entropy's)."""
+    return (target * (target.clamp_min(1e-12).log() - log_probs.gather(-1, rows))).sum(-1).mean()
+
+
 def train_heads(model: nn.Module, corpus: list[Continuation], held_out: list[Continuation], config: TrainConfig,
                 out_dir: str | None = None, progress: bool = True) -> tuple[nn.Module, HeadsConfig, list[float]]:  # fmt: skip
     """Train heads on `corpus` and measure their accuracy table on `held_out` (see module docstring);
@@ -267,9 +298,8 @@ def train_heads(model: nn.Module, corpus: list[Continuation], held_out: list[Con
     vocab_ids = draft_vocabulary([seq.tokens for seq in corpus], vocab, draft_vocab) if draft_vocab else None
     heads = make_heads(identity, vocab_ids).to(device).train()
     outputs = _DraftVocabulary(lm_weight, vocab_ids)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     steps = config.epochs * math.ceil(len(positions) / config.batch_size)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    optimizer, schedule = cosine_adamw(heads.parameters(), config.lr, steps)
     generator = torch.Generator().manual_seed(config.seed)
     losses: list[float] = []
     bar = tqdm(total=steps, desc=f"training {k} {config.kind} heads", disable=not progress)
@@ -282,8 +312,7 @@ def train_heads(model: nn.Module, corpus: list[Continuation], held_out: list[Con
             states = heads(h, embeds)  # [B, K, H]
             log_probs = F.log_softmax(F.linear(states, outputs.weight).float(), dim=-1)  # [B, K, D]
             target, rows = outputs.law(probs, ids)  # [B, K, TOP]: the teacher on the draft vocabulary
-            # KL(model || head) on the model's sparse law (its gradient is the cross-entropy's)
-            loss = (target * (target.clamp_min(1e-12).log() - log_probs.gather(-1, rows))).sum(-1).mean()
+            loss = sparse_kl(target, rows, log_probs)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
