@@ -1,17 +1,18 @@
 """Losslessness on unseen prompts: every drafter's greedy output against HF `generate` greedy, token for token.
 
-    python benchmarks/lossless.py [--prompts 10] [--max-new-tokens 128] [--configs NAME ...] [--out DIR]
+    python benchmarks/lossless.py [--prompts 10] [--max-new-tokens 128] [--configs NAME ...] [--tag T] [--out DIR]
 
 Prompts: HumanEval[140:140+N] (raw code; the benchmark uses 120.., the tests 0..) and the chat
 summaries of stdlib docstrings [10:10+N] (the benchmark uses 0..), all disjoint from the draft heads'
 training prompts. Float32, on the CPU (or the GPU when there is one). Each configuration runs the
 default tree budget (the cost curve). The self-draft rows draft with the model's own layers (an exit
-after layer 24; the step without layers 3 and 25). The ONNX Runtime rows export the default model with Hydra heads
+after layer 24; the step without layers 3 and 25; the first 4 layers and the shipped exit adapter,
+alone, adaptive, and in the combined tree). The ONNX Runtime rows export the default model with Hydra heads
 once and run the export.
 Sampling: each configuration also samples every prompt (settings cycled over SAMPLING, seed = prompt
 index) and is compared with plain sampling of the same seed (one-node trees): keyed noise makes them
 equal token for token.
-Writes lossless-<device>.json: per configuration, the prompts whose output differed (their index and
+Writes lossless-<device>.json (lossless-<tag>-<device>.json with --tag): per configuration, the prompts whose output differed (their index and
 the first differing position), greedy and sampled; the run fails (exit 1) when any differs.
 """
 
@@ -41,6 +42,9 @@ TORCH_CONFIGS = {
     "hydra_combined": ("heads-combined", (specpass.rewrites.DraftHeads(kind="hydra"),)),
     "self_draft_exit24": ("self-draft", (specpass.rewrites.EarlyExit(24),)),
     "self_draft_layer_skip_3_25": ("self-draft", (specpass.rewrites.LayerSkip((3, 25)),)),
+    "self_draft_adapter": ("self-draft", (specpass.rewrites.EarlyExit(4, adapter="default"),)),
+    "self_draft_adapter_adaptive": ("self-draft-adaptive", (specpass.rewrites.EarlyExit(4, adapter="default"),)),
+    "combined_self_draft_adapter": ("self-draft-combined", (specpass.rewrites.EarlyExit(4, adapter="default"),)),
 }
 ORT_CONFIGS = {"onnxrt_combined": "combined", "onnxrt_hydra_combined": "heads-combined"}
 SAMPLING = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3))
@@ -77,7 +81,7 @@ def _programs(model, device, tokenizer, export_dir, names):
     return programs
 
 
-def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, names=None) -> dict:
+def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, names=None, tag: str | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = specpass.load_default_model(device=device)
     sets = {
@@ -131,7 +135,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, names=None) -> 
         "sampling": [dict(s, seed="prompt index") for s in SAMPLING],
         "results": results,
     }
-    path = write_report(report, out_dir, "lossless-")
+    path = write_report(report, out_dir, f"lossless-{tag}-" if tag else "lossless-")
     for name, row in results.items():
         print(f"{name:24s} {row['prompts']} prompts, {len(row['differing'])} differing, mean tau {row['tau']}; "
               f"sampled: {len(row['sampled_differing'])} differing, mean tau {row['sampled_tau']}")  # fmt: skip
@@ -144,9 +148,10 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=10, help="prompts per set (code, chat)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--configs", nargs="+", choices=[*TORCH_CONFIGS, *ORT_CONFIGS], help="(default: all)")
+    parser.add_argument("--tag", help="names the results file: lossless-<tag>-<device>.json")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    report = run(args.prompts, args.max_new_tokens, args.out, args.configs)
+    report = run(args.prompts, args.max_new_tokens, args.out, args.configs, args.tag)
     rows = report["results"].values()
     return 1 if any(row["differing"] or row["sampled_differing"] for row in rows) else 0
 

@@ -18,9 +18,13 @@ rest_tokens when other drafters propose what the chain would have: their tokens 
 chain's when it is on); until measured, the one is taken for the other. All are running averages
 over the generation's steps.
 
-The controller picks the d in [0, max_depth] with the most tokens per second. While off it has no
-fresh acceptance outcomes, so every `probe_every` steps off it drafts a full chain once (a probe) and
-lets the outcome decide again: self-drafting turns back on when the text becomes predictable.
+The controller picks the d in [0, max_depth] with the most tokens per second. Both arms are measured,
+not assumed: the first step drafts a full chain, the second drafts nothing, and while on it takes one
+step off every `probe_every` steps (a chain can look useful only because other drafters would have
+given its tokens anyway). While off it has no fresh acceptance outcomes, so after `probe_every` steps
+off it drafts one token (a probe, two draft calls) and lets the outcome decide again; each probe that
+leaves it off doubles the wait (up to 64 steps), so a drafter that never pays costs little, and
+self-drafting turns back on when the text becomes predictable.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 SMOOTHING = 0.2  # weight of the newest step in the running averages
+LONGEST_WAIT = 64  # steps off between probes, at most
 
 
 class DepthController:
@@ -42,6 +47,8 @@ class DepthController:
         self.tokens_off: float | None = None
         self.resumed = False  # whether the last step with the chain on was verified by resuming
         self.off_steps = 0  # consecutive steps chosen off
+        self.on_steps = 0  # consecutive steps chosen on
+        self.wait = probe_every  # steps off before the next probe
 
     def expected_rate(self, depth: int, rates: Sequence[float]) -> float:
         """Expected tokens per second of a step with a chain of `depth` (module docstring)."""
@@ -61,14 +68,21 @@ class DepthController:
     def choose(self, rates: Sequence[float]) -> int:
         """The depth for the next step; rates[j - 1] = a_j for j = 1..max_depth."""
         if self.call_seconds is None or self.rest_tokens is None:
-            return self.max_depth  # nothing measured yet: draft, and measure
+            return self.max_depth  # nothing measured on yet: draft, and measure
+        if self.rest_off is None:
+            return 0  # nothing measured off yet
         best = max(range(self.max_depth + 1), key=lambda d: (self.expected_rate(d, rates), -d))
         if best:
-            self.off_steps = 0
+            self.off_steps, self.wait = 0, self.probe_every
+            self.on_steps += 1
+            if self.on_steps > self.probe_every:  # keep the off arm's measurement fresh
+                self.on_steps = 0
+                return 0
             return best
-        if self.off_steps >= self.probe_every:  # `probe_every` steps off in a row: look again
-            self.off_steps = 0
-            return self.max_depth
+        self.on_steps = 0
+        if self.off_steps >= self.wait:  # long enough off: look again
+            self.off_steps, self.wait = 0, min(2 * self.wait, LONGEST_WAIT)
+            return 1
         self.off_steps += 1
         return 0
 
