@@ -66,7 +66,7 @@ class SelfDraftSession(DraftSession):
         self.emitted, self.from_chain, self.resumed = 0, 0, False  # what the last step's verify gave
         self.one_node = torch.ones(1, 1, dtype=torch.bool, device=device)  # [1, 1]: a token sees itself
         self.cache_size = draft.config.cache_size
-        prior = getattr(draft.config, "agreement", 0.0) or PRIOR  # an exit adapter's measured agreement
+        prior = draft.config.agreement or PRIOR  # an exit adapter's measured agreement (EarlyExitConfig)
         self.stats = AcceptanceStats({}, default=prior)  # keyed by depth in the chain
         self.chain: tuple[int, ...] = ()  # the last step's chain, root first
         self.states: torch.Tensor | None = None  # [len(chain), H]: each chain token's exit_hidden
