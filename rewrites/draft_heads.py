@@ -62,7 +62,7 @@ class DraftHeads(DraftGraphPass):
         return shipped_heads(self.kind) if self.heads == "default" else self.heads
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
-        from specpass.heads.io import model_fingerprint, read_config
+        from specpass.heads.io import model_mismatch, read_config
 
         try:
             config = read_config(self.directory())
@@ -70,16 +70,7 @@ class DraftHeads(DraftGraphPass):
             return str(exc)
         if config.kind != self.kind:
             return f"the heads in {self.directory()} are {config.kind} heads, the pass asks for {self.kind}"
-        arch = arch_of(gm)
-        if (config.hidden_size, config.vocab_size) != (arch.hidden_size, arch.vocab_size):
-            return (
-                f"heads of hidden size {config.hidden_size} and vocabulary {config.vocab_size} do not fit a model "
-                f"of hidden size {arch.hidden_size} and vocabulary {arch.vocab_size}"
-            )
-        identity = model_fingerprint(gm.get_submodule("lm_head"))
-        if config.model != identity:
-            return f"the heads in {self.directory()} were trained for model {config.model}, this model is {identity}"
-        return None
+        return model_mismatch("heads", self.directory(), config.model, config.hidden_size, config.vocab_size, gm)
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
         from specpass.heads.io import load_heads

@@ -101,7 +101,7 @@ class EarlyExit(DraftGraphPass):
 
     def _check_adapter(self, gm: torch.fx.GraphModule) -> str | None:
         from specpass.heads.exit_adapter import read_exit_adapter_config
-        from specpass.heads.io import model_fingerprint
+        from specpass.heads.io import model_mismatch
 
         directory = self.adapter_directory()
         try:
@@ -111,14 +111,7 @@ class EarlyExit(DraftGraphPass):
         if config.layer != self.layer:
             return (f"the exit adapter in {directory} reads the stream after layer {config.layer}, not {self.layer}: "
                     f"use EarlyExit({config.layer}, adapter=...)")  # fmt: skip
-        arch = arch_of(gm)
-        if (config.hidden_size, config.vocab_size) != (arch.hidden_size, arch.vocab_size):
-            return (f"an exit adapter of hidden size {config.hidden_size} and vocabulary {config.vocab_size} does not "
-                    f"fit a model of hidden size {arch.hidden_size} and vocabulary {arch.vocab_size}")  # fmt: skip
-        identity = model_fingerprint(gm.get_submodule("lm_head"))
-        if config.model != identity:
-            return f"the exit adapter in {directory} was trained for model {config.model}, this model is {identity}"
-        return None
+        return model_mismatch("exit adapter", directory, config.model, config.hidden_size, config.vocab_size, gm)
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
         from specpass.heads.exit_adapter import load_exit_adapter

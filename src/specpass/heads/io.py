@@ -73,6 +73,22 @@ def check_model(trained_for: str, lm_head: nn.Module, directory: str, what: str)
         raise HeadsMismatchError(f"the {what} in {directory}: trained for model {trained_for}, this model is {identity}")
 
 
+def model_mismatch(what: str, directory: str, trained_for: str, hidden_size: int, vocab_size: int,
+                   gm) -> str | None:  # fmt: skip
+    """Why a trained draft module (`what` in `directory`, of `hidden_size` and `vocab_size`, trained for
+    model `trained_for`) does not fit the captured step `gm`, or None when it fits (a pass's check)."""
+    from specpass.ir import arch_of
+
+    arch = arch_of(gm)
+    if (hidden_size, vocab_size) != (arch.hidden_size, arch.vocab_size):
+        return (f"{what} of hidden size {hidden_size} and vocabulary {vocab_size} do not fit a model of hidden size "
+                f"{arch.hidden_size} and vocabulary {arch.vocab_size}")  # fmt: skip
+    identity = model_fingerprint(gm.get_submodule("lm_head"))
+    if trained_for != identity:
+        return f"the {what} in {directory}: trained for model {trained_for}, this model is {identity}"
+    return None
+
+
 def save_heads(heads: nn.Module, config: HeadsConfig, directory: str, dtype: torch.dtype = torch.float16) -> None:
     save_module(heads, config, directory, WEIGHTS, CONFIG, dtype)
 
