@@ -73,7 +73,8 @@ def check_prompt(input_ids: object) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise InvalidParameterError("input_ids must be an int64 tensor of shape [batch, prompt_length]")
     if input_ids.shape[0] != 1:
-        raise InvalidParameterError(f"speculative decoding runs batch size 1, got batch {input_ids.shape[0]}")
+        raise InvalidParameterError(f"this loop runs one sequence, got a batch of {input_ids.shape[0]} "
+                                    "(batches: backends.batch_decode, through specpass.generate)")
     if input_ids.shape[1] == 0:
         raise InvalidParameterError("the prompt is empty: give at least one token")
 
@@ -145,6 +146,96 @@ def _as_chain(tree: DraftTree) -> DraftTree:
     )
 
 
+class SequenceState:
+    """One sequence in the decode loop: its tokens, cache cursor, drafter sessions, target choice and
+    counts. `generate` drives one; the batched loop (backends.batch_decode) drives one per row, with
+    the same drafting, acceptance and emission (this class), only the forward and commit batched."""
+
+    def __init__(self, prompt: Sequence[int], max_new_tokens: int, eos: set[int], choice: TargetChoice,
+                 stop: Callable[[Sequence[int]], bool] | None = None):  # fmt: skip
+        self.tokens: list[int] = list(prompt)
+        self.n_prompt = len(self.tokens)
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+        self.choice = choice
+        self.stop = stop
+        self.cursor = CacheCursor()  # layouts and tokens go to the program on the host (ir.layout)
+        self.forwards = 1  # the prefill, in however many pieces (tau counts decode steps and the prefill's token)
+        self.sizes: list[int] = []
+        self.steps: list[int] = []
+        self.finish: str | None = None
+        self.finished_at = 0.0  # perf_counter() when the sequence finished
+
+    def start(self, program: DecodeProgram, topk: torch.Tensor, hidden: torch.Tensor, last_logits: torch.Tensor) -> None:
+        """After the prompt's forward(s): topk [P, k] (host), hidden [P, H], last_logits [1, V] after the
+        prompt's last token. Chooses the first token and opens the drafter sessions."""
+        choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
+        if not self.choice.plain_greedy:
+            choices[-1] = self.choice(last_logits, self.tokens)[0]
+        prefill = TargetForward(topk, hidden, choices)
+        self.tokens.append(int(choices[-1]))
+        sampling = self.choice.sampling
+        self.drafting = Drafting(program.drafter.sessions(self.tokens[: self.n_prompt], prefill, program.drafter_memory,
+                                                          program.draft, sampling.seed))  # fmt: skip
+        self.by_rule = program.drafter.draws and sampling.do_sample and sampling.acceptance == "auto"
+        # the multi-candidate rule's uniforms and residual draws
+        self.rng = np.random.default_rng([sampling.seed, 0x6D63]) if self.by_rule else None
+        stopped = self.stop is not None and self.stop(self.tokens)
+        self._set_finish(_finished(self.tokens, self.n_prompt, self.max_new_tokens, self.eos, stopped))
+
+    def draft(self, program: DecodeProgram, room: int) -> DraftTree:
+        """This step's tree, at most `room` nodes (what the program verifies: a chain if no trees)."""
+        remaining = self.max_new_tokens - (len(self.tokens) - self.n_prompt)
+        tree = self.drafting.draft(self.tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
+        return tree if program.verifies_trees else _as_chain(tree)
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, topk: torch.Tensor
+               ) -> tuple[list[int], TargetForward]:  # fmt: skip
+        """The accepted path (node indices, root first) of `tree` verified as logits [T, V], hidden [T, H],
+        topk [T, k] (host), and what the drafters learn from the step."""
+        if self.by_rule and len(tree) > 1:  # drawn drafts: the multi-candidate rule
+            processed = self.choice.processed(logits, self.tokens, tree.parents, tree.tokens)  # [T, V]
+            path, last = accept_drawn(tree, node_laws(processed), self.rng)
+            choices = topk[:, 0].clone()  # [T]: off the path, the drafters read the greedy token
+            choices[path[:-1]] = torch.tensor([tree.tokens[i] for i in path[1:]], dtype=torch.long)
+            choices[path[-1]] = last
+        else:
+            plain = self.choice.plain_greedy
+            choices = topk[:, 0] if plain else self.choice(logits, self.tokens, tree.parents, tree.tokens)  # [T]
+            path = accept_greedy(tree, choices.tolist())
+        return path, TargetForward(topk, hidden, choices)
+
+    def advance(self, tree: DraftTree, verified: TargetForward, path: list[int]) -> None:
+        """After the path's commit: emit its tokens and the target's next one, let the drafters learn."""
+        new = [tree.tokens[i] for i in path[1:]] + [int(verified.choices[path[-1]])]
+        self.drafting.observe(tree, verified, path, self.tokens)
+        self.forwards += 1
+        self.sizes.append(len(tree))
+        emitted, stopped = _emit(self.tokens, new, self.n_prompt, self.max_new_tokens, self.eos, self.stop)
+        self.steps.append(emitted)
+        self._set_finish(_finished(self.tokens, self.n_prompt, self.max_new_tokens, self.eos, stopped))
+
+    def _set_finish(self, finish: str | None) -> None:
+        self.finish = finish
+        if finish is not None:
+            self.finished_at = time.perf_counter()
+
+    def end(self, finish: str) -> None:
+        """Finish for a reason outside the sequence (the cache is full)."""
+        self._set_finish(finish)
+
+    def stats(self, started: float, prefill_seconds: float) -> GenerationStats:
+        return GenerationStats(
+            new_tokens=len(self.tokens) - self.n_prompt,
+            target_forwards=self.forwards,
+            seconds=self.finished_at - started,
+            finish_reason=self.finish,
+            steps=tuple(self.steps),
+            mean_tree_size=sum(self.sizes) / len(self.sizes) if self.sizes else 1.0,
+            prefill_seconds=prefill_seconds,
+        )
+
+
 def generate(
     program: DecodeProgram,
     input_ids: torch.Tensor,
@@ -166,91 +257,45 @@ def generate(
     check_request(input_ids, max_new_tokens, program.cache_size, program.vocab_size, program.evicts)
     choice = choice if choice is not None else TargetChoice()
     curve = program.cost_curve if program.budget == "cost" else None
-    device = program.device
-    eos = set(eos_token_ids)
     started = time.perf_counter()
-    tokens: list[int] = input_ids[0].tolist()
-    n_prompt = len(tokens)
+    seq = SequenceState(input_ids[0].tolist(), max_new_tokens, set(eos_token_ids), choice, stop)
 
     top_k = min(program.drafter.target_topk, program.vocab_size)  # the target's top candidates the drafters read
-    cursor = CacheCursor()  # layouts and tokens go to the program on the host (ir.layout)
     topks, hiddens = [], []
-    for logits, hidden in feed(program, input_ids[0].cpu(), cursor):  # [n, V], [n, H] a piece
+    for logits, hidden in feed(program, input_ids[0].cpu(), seq.cursor):  # [n, V], [n, H] a piece
         topks.append(logits.topk(top_k, dim=-1).indices.cpu())
         hiddens.append(hidden)
-    forwards = 1  # the prefill, in however many pieces (tau counts decode steps and the prefill's token)
-    topk, hidden = torch.cat(topks), torch.cat(hiddens)  # [P, k], [P, H]
-    choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
-    if not choice.plain_greedy:
-        choices[-1] = choice(logits[-1:], tokens)[0]
-    prefill = TargetForward(topk, hidden, choices)
-    tokens.append(int(choices[-1]))
+    seq.start(program, torch.cat(topks), torch.cat(hiddens), logits[-1:])  # [P, k], [P, H], [1, V]
     prefill_seconds = time.perf_counter() - started
-    sizes = []
-    steps: list[int] = []
-    sampling = choice.sampling
-    drafting = Drafting(program.drafter.sessions(tokens[:n_prompt], prefill, program.drafter_memory, program.draft,
-                                                 sampling.seed))  # fmt: skip
-    by_rule = program.drafter.draws and sampling.do_sample and sampling.acceptance == "auto"
-    rng = np.random.default_rng([sampling.seed, 0x6D63]) if by_rule else None  # the rule's uniforms and residual draws
-    finish = _finished(tokens, n_prompt, max_new_tokens, eos, stop is not None and stop(tokens))
 
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
-    while finish is None:
+    while seq.finish is None:
         step_started = time.perf_counter()
-        room = program.room(cursor.cached)
+        room = program.room(seq.cursor.cached)
         if room < 1:
-            finish = "cache_full"
+            seq.end("cache_full")
             break
-        remaining = max_new_tokens - (len(tokens) - n_prompt)
-        tree = drafting.draft(tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
-        if not program.verifies_trees:
-            tree = _as_chain(tree)
+        tree = seq.draft(program, room)
         size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
-        size = program.agreed_size(size)
-        tree = tree.prefix(size)
-        layout = cursor.layout(tree.ancestor_mask())
-        exit_states = drafting.precomputed(tree) if program.resumes_from_exit else None  # [T, H] or None
+        tree = tree.prefix(program.agreed_size(size))
+        layout = seq.cursor.layout(tree.ancestor_mask())
+        exit_states = seq.drafting.precomputed(tree) if program.resumes_from_exit else None  # [T, H] or None
         if exit_states is not None:  # the early-exit draft ran these nodes' lower layers in their slots
             logits, hidden = program.forward_from_exit(exit_states, layout)  # [T, V], [T, H]
         else:
             logits, hidden = program.forward(torch.tensor(tree.tokens), layout)  # [T, V], [T, H]
-        topk = logits.topk(top_k, dim=-1).indices.cpu()  # [T, k]
-        if by_rule and len(tree) > 1:  # drawn drafts: the multi-candidate rule
-            processed = choice.processed(logits, tokens, tree.parents, tree.tokens)  # [T, V]
-            path, last = accept_drawn(tree, node_laws(processed), rng)
-            choices = topk[:, 0].clone()  # [T]: off the path, the drafters read the greedy token
-            choices[path[:-1]] = torch.tensor([tree.tokens[i] for i in path[1:]], dtype=torch.long)
-            choices[path[-1]] = last
-        else:
-            choices = topk[:, 0] if choice.plain_greedy else choice(logits, tokens, tree.parents, tree.tokens)  # [T]
-            path = accept_greedy(tree, choices.tolist())
-        verified = TargetForward(topk, hidden, choices)
-        cursor.commit(program, layout, path)
-        new = [tree.tokens[i] for i in path[1:]] + [int(choices[path[-1]])]
-        drafting.observe(tree, verified, path, tokens)
-        forwards += 1
-        sizes.append(len(tree))
-        emitted, stopped = _emit(tokens, new, n_prompt, max_new_tokens, eos, stop)
-        steps.append(emitted)
-        finish = _finished(tokens, n_prompt, max_new_tokens, eos, stopped)
+        path, verified = seq.accept(tree, logits, hidden, logits.topk(top_k, dim=-1).indices.cpu())
+        seq.cursor.commit(program, layout, path)
+        seq.advance(tree, verified, path)
         if curve is not None:
             outside = time.perf_counter() - step_started - curve.latency(len(tree))
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - started
-    stats = GenerationStats(
-        new_tokens=len(tokens) - n_prompt,
-        target_forwards=forwards,
-        seconds=seconds,
-        finish_reason=finish,
-        steps=tuple(steps),
-        mean_tree_size=sum(sizes) / len(sizes) if sizes else 1.0,
-        prefill_seconds=prefill_seconds,
-    )
-    return Generation(torch.tensor([tokens], dtype=torch.long, device=input_ids.device), stats)
+    if program.device.type == "cuda":
+        torch.cuda.synchronize(program.device)
+    seq.finished_at = time.perf_counter()
+    stats = seq.stats(started, prefill_seconds)
+    return Generation(torch.tensor([seq.tokens], dtype=torch.long, device=input_ids.device), stats)
 
 
 def _emit(tokens: list[int], new: list[int], n_prompt: int, max_new_tokens: int, eos: set[int], stop) -> tuple[int, bool]:

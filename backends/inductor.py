@@ -8,12 +8,13 @@ still costs a few microseconds, so fewer, fused kernels set the step's floor
 (docs/experiments.md, "GPU step").
 
 Rewrite before compiling (`inplace_cache_writes`). The FX step writes a layer's new K/V as
-`k_cache[layer].index_copy_(2, slots, new)`: a mutation through a view of the step's cache buffer.
+`write_cache(k_cache[layer], slots, new)` (a scatter into the written rows): a mutation through a
+view of the step's cache buffer.
 Inductor functionalizes that into a copy of the layer's whole cache slice per write and a copy of
 the whole buffer back at the end (four cache-sized copies a step, growing with the cache: on an
 H100 two 78 us copies of an 8B model's 1024-slot caches). Written as one `index_put_` on the buffer
-itself, `k_cache.index_put_([layer, :, :, slots], new)`, the mutation is of a graph input's base and
-inductor scatters the T new slots in place.
+itself, `k_cache.index_put_([layer, rows, heads, slots], new)`, the mutation is of a graph input's
+base and inductor scatters the T new slots of each row in place.
 
 Invariants. The compiled step computes the same function of the same graph on the same KV-cache
 buffers (in-place writes into the step's own `k_cache` / `v_cache`); its outputs differ from the FX
@@ -59,25 +60,33 @@ def _plain(value):
     return value
 
 
+def write_cache_in_place(cache: torch.Tensor, layer: int, slots: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`ir.ops.write_cache(cache[layer], slots, new)` as one `index_put_` on the whole buffer
+    cache [L, B_max, KV, S, D]: slots [B, T], new [B, KV, T, D]; returns cache[layer, :B]."""
+    b, kv = new.shape[0], new.shape[1]
+    rows = torch.arange(b, device=slots.device)[:, None, None]  # [B, 1, 1]
+    heads = torch.arange(kv, device=slots.device)[None, :, None]  # [1, KV, 1]
+    layers = torch.full_like(rows, layer)  # [B, 1, 1]
+    cache.index_put_((layers, rows, heads, slots[:, None, :]), new)  # indices broadcast to [B, KV, T]
+    return cache[layer, :b]  # [B, KV, S, D]
+
+
 def inplace_cache_writes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of `gm` whose cache writes `cache[layer].index_copy_(2, slots, new)` are
-    `cache.index_put_([layer, :, :, slots], new)` on the cache buffer itself (module docstring); the
-    writes' users read `cache[layer]` as before. Writes of another form are left as they are."""
+    """A copy of `gm` whose cache writes `write_cache(cache[layer], slots, new)` are
+    `write_cache_in_place(cache, layer, slots, new)` on the cache buffer itself (module docstring); the
+    writes' users read the same rows as before. Writes of another form are left as they are."""
     lowered = copy_step(gm)
     graph = lowered.graph
     for write in cache_writes(graph):
-        view, dim, slots, new = write.args
+        view, slots, new = write.args
         if not (view.op == "call_function" and view.target is operator.getitem and isinstance(view.args[1], int)
-                and view.args[0].op == "get_attr" and dim == 2):  # fmt: skip
+                and view.args[0].op == "get_attr"):  # fmt: skip
             continue
         cache, layer = view.args
         with graph.inserting_before(write):
-            values = graph.call_method("permute", (new, 2, 0, 1, 3))  # [T, B, KV, D]
-            layers = graph.call_function(torch.full_like, (slots, layer))  # [T]
-            put = graph.call_function(torch.ops.aten.index_put_.default, (cache, [layers, None, None, slots], values))
-        for node in (values, layers, put):
-            node.meta.update(write.meta)
-        write.replace_all_uses_with(view)
+            put = graph.call_function(write_cache_in_place, (cache, layer, slots, new))
+        put.meta.update(write.meta)
+        write.replace_all_uses_with(put)
         graph.erase_node(write)
     graph.lint()
     lowered.recompile()

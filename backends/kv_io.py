@@ -1,6 +1,6 @@
 """KV as inputs and outputs: the functional form of a rewritten decode step, for export.
 
-The captured step owns a static KV cache and writes it in place (`index_copy_` at the cache slots),
+The captured step owns a static KV cache and writes it in place (`write_cache` at the cache slots),
 which an ONNX graph cannot express without aliasing. This lowering rewrites a copy of the step so that
 
     inputs   input_ids   [B, T]  int64     tokens to verify (a tree, a chain, or a prompt)
@@ -97,7 +97,7 @@ def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for write, read in reads:
         layer = info(write).layer
         source = {"k_cache": "past_keys", "v_cache": "past_values"}[query.cache_buffer(write)]
-        new = write.args[3]  # [B, KV, T, D]
+        new = write.args[2]  # [B, KV, T, D]
         with graph.inserting_before(read):
             past = annotate(graph.call_function(_layer, (new_inputs[source], layer)), Role.CACHE, layer)
             both = annotate(graph.call_function(torch.cat, ((past, new),), {"dim": 2}), Role.ATTENTION, layer)

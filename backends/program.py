@@ -17,11 +17,12 @@ from torch import nn
 from specpass.backends import cost, distributed
 from specpass.backends.compile import specpass_backend
 from specpass.backends.eviction import Eviction, GraphEviction
-from specpass.backends.kv import compact
+from specpass.backends.kv import compact, compact_rows, keep_rows
 from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import Drafter
-from specpass.ir import DraftGraphSpec, SlotLayout, capture, draft_spec
+from specpass.errors import InvalidParameterError
+from specpass.ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
 from specpass.ir.split import EXIT_HIDDEN
 from specpass.rewrites.tensor_parallel import TensorParallel
 
@@ -158,10 +159,20 @@ class DecodeProgram(ABC):
 
 
 class SpeculativeProgram(DecodeProgram):
-    def __init__(self, model: nn.Module, options: CompileOptions):
+    """The captured, rewritten and lowered step of `model` with its static KV cache.
+
+    rows: how many sequences its cache holds (batched decoding, backends.batch_decode). A program of
+    several rows verifies every row's tree in one forward (`forward_rows`), commits each row's path in
+    its own cache row (`commit_rows`) and measures its cost curve on forwards of all its rows, T tokens
+    each. It runs on the eager and oneDNN lowerings, without a cache-sharing draft graph (early exit,
+    layer skip), KV eviction or tensor parallelism; other combinations are refused with the reason.
+    """
+
+    def __init__(self, model: nn.Module, options: CompileOptions, rows: int = 1):
         super().__init__(options.drafter, options.budget)
         self.options = options
-        captured = capture(model, cache_size=options.cache_size)
+        self.rows = rows
+        captured = capture(model, cache_size=options.cache_size, batch_size=rows)
         self.step = specpass_backend(captured, [], options=options)
         self.arch = self.step.arch
         self.eos_token_ids = self.arch.eos_token_ids
@@ -180,6 +191,48 @@ class SpeculativeProgram(DecodeProgram):
         eviction = GraphEviction.of(gm)
         if eviction is not None:
             self.evict_with(eviction)
+        if rows > 1:
+            self._check_rows()
+
+    def _check_rows(self) -> None:
+        """Refuse what a program of several rows does not run (see the class docstring)."""
+        run = self.step.run
+        kinds = set(getattr(run, "kinds", None) or (getattr(run, "kind", type(run).__name__),))
+        reasons = []
+        if not kinds <= {"eager", "onednn"}:
+            reasons.append(f"the {'/'.join(sorted(kinds - {'eager', 'onednn'}))} lowering (use lowering='eager', "
+                           "'onednn', or 'auto' on a CPU)")  # fmt: skip
+        if self.resumes_from_exit:
+            reasons.append("a self-speculation draft graph (EarlyExit / LayerSkip: it writes the cache of one row)")
+        if self.evicts:
+            reasons.append("KV eviction")
+        if self.tensor_parallel:
+            reasons.append("TensorParallel")
+        if reasons:
+            raise InvalidParameterError(f"batch size {self.rows} (more than one sequence) does not run with "
+                                        f"{'; '.join(reasons)}; generate those one sequence at a time")  # fmt: skip
+
+    def forward_rows(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of several rows' steps: tokens [B, T] (layout.pad_tokens) -> logits [B, T, V],
+        hidden [B, T, H] (padding positions' outputs are meaningless)."""
+        if len(layout.rows) > self.rows:
+            raise InvalidParameterError(f"{len(layout.rows)} rows, but the program's cache holds {self.rows}")
+        logits, hidden = self.step(tokens, layout)[:2]
+        return logits, hidden
+
+    def commit_rows(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+        """Keep each row's accepted path (node indices, root first) in consecutive slots of its own cache
+        row; the other rows' caches are not touched. Returns each row's committed length."""
+        rows, src, dst = layout.moves(paths)
+        if src:
+            index = [torch.tensor(x, device=self.device) for x in (rows, src, dst)]
+            compact_rows(self.k_cache, self.v_cache, *index)
+        return [row.committed + len(path) for row, path in zip(layout.rows, paths)]
+
+    def keep_rows(self, keep: Sequence[int], slots: int) -> None:
+        """Move the cache rows `keep` (ascending) to rows 0, 1, ... (their first `slots` slots): what
+        the next forwards of len(keep) rows read, once the other rows' sequences ended."""
+        keep_rows(self.k_cache, self.v_cache, keep, slots)
 
     def agreed_size(self, size: int) -> int:
         return distributed.rank0_int(size) if self.tensor_parallel else size
@@ -193,6 +246,14 @@ class SpeculativeProgram(DecodeProgram):
         logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [1, T, V], [1, T, H]
         return logits[0], hidden[0]
 
+    def measured_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward a cost curve times: every row of the program running `layout`'s step."""
+        if self.rows == 1:
+            return self.forward(tokens, layout)
+        both = RowsLayout((layout,) * self.rows)
+        logits, hidden = self.forward_rows(tokens[None].expand(self.rows, -1), both)
+        return logits[0], hidden[0]
+
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
         """With several lowerings (`auto` on a CPU): each one's curve, then each tree size runs on the
         fastest, and the program's curve is their lower envelope. The lowerings' curves also cover a few
@@ -203,14 +264,14 @@ class SpeculativeProgram(DecodeProgram):
             curve = cost.measure(self.forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
             return cost.CostCurve(curve.sizes, distributed.rank0_floats(curve.seconds))
         if not isinstance(run, FastestPerSize):
-            return super().measure_cost(sizes, kv_len)
+            return cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
         measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= min(kv_len, self.max_step or kv_len)})
         curves = {}
         for kind in run.kinds:
             key = (step_signature(run.steps[kind].gm, self.device), tuple(measured), kv_len)
             if key not in _MEASURED_CURVES:
                 with run.pinned(kind):
-                    _MEASURED_CURVES[key] = super().measure_cost(measured, kv_len)
+                    _MEASURED_CURVES[key] = cost.measure(self.measured_forward, self.device, measured, kv_len=kv_len)
             curves[kind] = _MEASURED_CURVES[key]
         return run.choose(curves).subset(sizes)
 
@@ -232,9 +293,10 @@ class SpeculativeProgram(DecodeProgram):
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def program_for(model: nn.Module, options: CompileOptions) -> SpeculativeProgram:
-    """The program of (model, options), built once and reused while the model lives."""
+def program_for(model: nn.Module, options: CompileOptions, rows: int = 1) -> SpeculativeProgram:
+    """The program of (model, options) with a cache of `rows` sequences, built once and reused while
+    the model lives."""
     programs = _PROGRAMS.setdefault(model, {})
-    if options not in programs:
-        programs[options] = SpeculativeProgram(model, options)
-    return programs[options]
+    if (options, rows) not in programs:
+        programs[options, rows] = SpeculativeProgram(model, options, rows)
+    return programs[options, rows]

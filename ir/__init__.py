@@ -7,7 +7,7 @@ from specpass.ir.arch import ArchSpec, arch_spec
 from specpass.ir.capture import arch_of, capture, copy_step, is_captured_step, model_parts, replace_node
 from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, draft_spec
 from specpass.ir.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of
-from specpass.ir.layout import SlotLayout
+from specpass.ir.layout import RowsLayout, SlotLayout
 from specpass.ir.roles import NodeInfo, Role, info
 from specpass.ir.verify import verify
 
@@ -20,6 +20,7 @@ __all__ = [
     "Family",
     "NodeInfo",
     "Role",
+    "RowsLayout",
     "SlotLayout",
     "arch_of",
     "arch_spec",

@@ -22,6 +22,7 @@ class ArchSpec:
     vocab_size: int
     layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: full attention)
     eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None = None  # what fills a batch's finished rows (None: the first EOS id)
 
     @property
     def smallest_window(self) -> int | None:
@@ -43,6 +44,12 @@ def _eos_ids(model) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def _pad_id(model) -> int | None:
+    pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    pad = getattr(model.config, "pad_token_id", None) if pad is None else pad
+    return int(pad) if isinstance(pad, int) else None
+
+
 def arch_spec(model: torch.nn.Module) -> ArchSpec:
     """Read the ArchSpec of `model`, raising UnsupportedArchitectureError for an unregistered family."""
     family = family_of(model)
@@ -59,4 +66,5 @@ def arch_spec(model: torch.nn.Module) -> ArchSpec:
         vocab_size=config.vocab_size,
         layer_windows=family.layer_windows(config),
         eos_token_ids=_eos_ids(model),
+        pad_token_id=_pad_id(model),
     )

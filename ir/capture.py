@@ -30,7 +30,6 @@ _MODULE_ROLES: dict[type, Role] = {
     ds.EmbedScaling: Role.EMBED,
     ds.LogitScaling: Role.LM_HEAD,
     ds.CacheSlots: Role.CACHE_INDEX,
-    ds.CacheWrite: Role.CACHE_WRITE,
     ds.AttentionCore: Role.ATTENTION,
     ds.Attention: Role.ATTENTION,
     ds.DecoderBlock: Role.RESIDUAL,
@@ -38,6 +37,7 @@ _MODULE_ROLES: dict[type, Role] = {
 _FUNCTION_ROLES = {  # ir.ops functions, kept as single nodes
     ops.sliding_window_visibility: Role.MASK,
     ops.softcapped_attention: Role.ATTENTION,
+    ops.write_cache: Role.CACHE_WRITE,
 }
 _NAMED_ROLES = {  # attribute names of the family's submodules in ds.DecodeStep
     "embed_tokens": Role.EMBED,

@@ -14,8 +14,9 @@ Inputs of `DecodeStep.forward`:
     kv_len     int             how many cache slots attention reads (slots [0, kv_len))
 Outputs: logits [B, T, V] and the final normed hidden states [B, T, H].
 
-The captured (un-rewritten) step is a *chain* step: token t is written into cache slot positions[0, t]
-and attends to every slot <= its own position. `rewrites.TreeAttention` generalises that to trees.
+The captured (un-rewritten) step is a *chain* step: row b's token t is written into cache slot
+positions[b, t] of row b and attends to every slot <= its own position. The cache buffers hold B_max
+rows; a step of B <= B_max rows runs on the first B. `rewrites.TreeAttention` generalises that to trees.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 
 from specpass.ir.arch import ArchSpec
 from specpass.ir.families import AttentionParts, LayerParts, ModelParts, Rotary
-from specpass.ir.ops import sliding_window_visibility, softcapped_attention
+from specpass.ir.ops import sliding_window_visibility, softcapped_attention, write_cache
 
 
 class RotaryPositions(nn.Module):
@@ -108,15 +109,11 @@ class LogitScaling(nn.Module):
 
 
 class CacheSlots(nn.Module):
-    """Cache slots the step writes to: in a chain, the tokens' positions (shared across the batch)."""
+    """Cache slots the step writes to: in a chain, each row's tokens' positions (a node of its own,
+    annotated CACHE_INDEX, which TreeAttention replaces by its `cache_slots` input)."""
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions[0]  # [T]
-
-
-class CacheWrite(nn.Module):
-    def forward(self, cache, slots, new):  # cache [B, KV, S_max, D], slots [T], new [B, KV, T, D]
-        return cache.index_copy_(2, slots, new)
+        return positions.clone()  # [B, T]
 
 
 class AttentionCore(nn.Module):
@@ -146,8 +143,6 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.split = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
         self.rope = ApplyRope(rotary_dim, spec.head_dim) if parts.rotary is not None else None
-        self.k_write = CacheWrite()
-        self.v_write = CacheWrite()
         self.core = AttentionCore(spec.kv_groups, parts.scale, parts.softcap)
 
     def forward(self, x, cos, sin, mask, slots, kv_len, k_cache, v_cache):  # x [B, T, H*D]
@@ -166,8 +161,8 @@ class Attention(nn.Module):
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, D]
         if self.rope is not None:
             q, k = self.rope(q, k, cos, sin)
-        keys = self.k_write(k_cache, slots, k)[:, :, :kv_len]  # [B, KV, S, D]
-        values = self.v_write(v_cache, slots, v)[:, :, :kv_len]  # [B, KV, S, D]
+        keys = write_cache(k_cache, slots, k)[:, :, :kv_len]  # [B, KV, S, D]
+        values = write_cache(v_cache, slots, v)[:, :, :kv_len]  # [B, KV, S, D]
         out = self.core(q, keys, values, mask)  # [B, H, T, D]
         out = out.transpose(1, 2).contiguous().reshape(b, t, -1)  # [B, T, H*D]
         return self.o_proj(out)
@@ -228,7 +223,7 @@ class DecodeStep(nn.Module):
         tables = [rotary(positions, h.dtype) for rotary in self.rotaries]  # (cos, sin) [B, T, R] each
         mask = self.mask(positions, kv_len)  # [B, 1, T, S]
         windowed = {w: sliding_window_visibility(mask, positions, w) for w in sorted(set(self.layer_window) - {None})}
-        slots = self.cache_slots(positions)  # [T]
+        slots = self.cache_slots(positions)  # [B, T]
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rotary[i]] if self.layer_rotary[i] is not None else (None, None)
             layer_mask = mask if self.layer_window[i] is None else windowed[self.layer_window[i]]

@@ -92,7 +92,7 @@ class SlotLayout:
             "positions": self.positions()[None].expand(batch, -1),  # [B, T]
             "kv_len": self.kv_len,
             "tree_mask": self.ancestors[None].expand(batch, -1, -1),  # [B, T, T]
-            "cache_slots": self.write_slots(),  # [T]
+            "cache_slots": self.write_slots()[None].expand(batch, -1),  # [B, T]
         }
 
     def prefix_mask(self, slots: int) -> torch.Tensor:
@@ -107,14 +107,17 @@ class SlotLayout:
 
 
 def slot_visibility(tree_mask: torch.Tensor, cache_slots: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """The static-cache encoding: [B, T, T] ancestor mask + [T] write slots -> [B, 1, T, S] attention
-    mask over S = kv_len slots. Slots below cache_slots[0] (the committed length) are the prefix,
-    seen by every token; the step's own slots are seen through the ancestor mask."""
+    """The static-cache encoding: [B, T, T] ancestor masks + [B, T] write slots -> [B, 1, T, S]
+    attention mask over S = kv_len slots. In row b, slots below cache_slots[b, 0] (the row's committed
+    length) are its prefix, seen by every token of the row; the row's own step slots are seen through
+    its ancestor mask; every other slot is hidden."""
+    batch, t = tree_mask.shape[0], tree_mask.shape[1]
     key_slots = torch.arange(kv_len, device=cache_slots.device)  # [S]
-    prefix = key_slots < cache_slots[0]  # [S]
-    # materialised before index_copy: inductor (torch 2.13, CPU) mis-compiles index_copy into an expanded base
-    visible = prefix[None, None, :].expand(tree_mask.shape[0], tree_mask.shape[1], kv_len).contiguous()  # [B, T, S]
-    visible = visible.index_copy(2, cache_slots, tree_mask)  # the step's columns come from the ancestor mask
+    prefix = key_slots[None, :] < cache_slots[:, :1]  # [B, S]
+    # materialised before the scatter: inductor (torch 2.13, CPU) mis-compiles a scatter into an expanded base
+    visible = prefix[:, None, :].expand(batch, t, kv_len).contiguous()  # [B, T, S]
+    columns = cache_slots[:, None, :].expand(batch, t, t)  # [B, T, T]: row b's node j sits in slot cache_slots[b, j]
+    visible = visible.scatter(2, columns, tree_mask)  # the step's columns come from the ancestor masks
     return visible.unsqueeze(1)  # [B, 1, T, S]
 
 
@@ -122,3 +125,69 @@ def past_and_tree_visibility(past_mask: torch.Tensor, tree_mask: torch.Tensor) -
     """The functional encoding (KV as inputs): [B, T, S] prefix mask + [B, T, T] ancestor mask ->
     [B, 1, T, S + T] attention mask over the past slots followed by the step's own tokens."""
     return torch.cat((past_mask, tree_mask), dim=-1).unsqueeze(1)
+
+
+@dataclass(frozen=True, eq=False)
+class RowsLayout:
+    """One step of several sequences in one forward: row b is laid out by `rows[b]` in its own cache row
+    (its own committed prefix, write slots, tree and positions), padded to the largest row's T.
+
+    Padding node k of a row (k >= the row's T_b) sees only itself, sits at the row's next slot
+    (committed_b + k, past its committed prefix: never read, overwritten by a later step) and takes
+    the position it would have there; its outputs are ignored. kv_len is the longest row's
+    committed + T; in row b the slots past committed_b + T are hidden by its mask. Every row needs
+    committed_b + T <= the cache's slots (the caller sizes T by the rows' room).
+    """
+
+    rows: tuple[SlotLayout, ...]
+
+    def __post_init__(self):
+        if not self.rows:
+            raise ValueError("a rows layout needs at least one row")
+
+    @property
+    def size(self) -> int:
+        """T: tokens per row in the forward (the largest row's, the others padded)."""
+        return max(row.size for row in self.rows)
+
+    @property
+    def kv_len(self) -> int:
+        return max(row.committed for row in self.rows) + self.size
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows[0].device
+
+    def to(self, device: torch.device | str) -> RowsLayout:
+        return RowsLayout(tuple(row.to(device) for row in self.rows))
+
+    def pad_tokens(self, tokens: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[B, T] int64: each row's tokens [T_b], zeros after them."""
+        ids = torch.zeros(len(self.rows), self.size, dtype=torch.long, device=tokens[0].device)
+        for b, row_tokens in enumerate(tokens):
+            ids[b, : row_tokens.shape[0]] = row_tokens
+        return ids
+
+    def step_inputs(self, input_ids: torch.Tensor) -> dict:
+        """The static-cache step's inputs for `input_ids` [B, T] (each row's tokens, padded)."""
+        t = self.size
+        ancestors = torch.eye(t, dtype=torch.bool, device=self.device).repeat(len(self.rows), 1, 1)  # [B, T, T]
+        slots = torch.arange(t, device=self.device).repeat(len(self.rows), 1)  # [B, T]
+        positions = slots.clone()  # [B, T]
+        for b, row in enumerate(self.rows):
+            ancestors[b, : row.size, : row.size] = row.ancestors
+            positions[b] += row.evicted + row.committed  # padding node k: the row's next position + k
+            positions[b, : row.size] = row.positions()
+            slots[b] += row.committed
+        return {"input_ids": input_ids, "positions": positions, "kv_len": self.kv_len,
+                "tree_mask": ancestors, "cache_slots": slots}  # fmt: skip
+
+    def moves(self, paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+        """(rows, source slots, destination slots) compacting each row's accepted path (SlotLayout.moves)."""
+        rows, sources, destinations = [], [], []
+        for b, (row, path) in enumerate(zip(self.rows, paths, strict=True)):
+            src, dst = row.moves(path)
+            rows += [b] * len(src)
+            sources += src
+            destinations += dst
+        return rows, sources, destinations

@@ -2,7 +2,8 @@
 
 Rewrites and the verifier find them by target (`ir.query`): a sliding-window layer's mask is
 `sliding_window_visibility(base mask, positions, window)` over the step's one shared mask, and a
-soft-capped attention is `softcapped_attention(...)` where other layers call SDPA.
+soft-capped attention is `softcapped_attention(...)` where other layers call SDPA; a layer's K and V go
+into the cache through `write_cache(cache, slots, new)`.
 """
 
 from __future__ import annotations
@@ -35,4 +36,15 @@ def softcapped_attention(q, k, v, attn_mask, scale: float, softcap: float):
     return (weights @ v.unsqueeze(2)).reshape(b, h, t, d)  # [B, H, T, D]
 
 
-GRAPH_FUNCTIONS = (sliding_window_visibility, softcapped_attention)
+def write_cache(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Write each row's new K or V into its own cache slots, in place, and return the rows the step runs.
+
+    cache [B_max, KV, S_max, D] (one layer's buffer: rows are sequences), slots [B, T] int64 (row b's
+    token t goes to slot slots[b, t]; rows lay out their tokens independently, ir.layout), new
+    [B, KV, T, D] for the first B <= B_max rows. Returns cache[:B], the written rows [B, KV, S_max, D]
+    (attention reads their first kv_len slots)."""
+    index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])  # [B, KV, T, D]
+    return cache[: new.shape[0]].scatter_(2, index, new)
+
+
+GRAPH_FUNCTIONS = (sliding_window_visibility, softcapped_attention, write_cache)

@@ -13,7 +13,7 @@ import operator
 import torch
 import torch.fx
 
-from specpass.ir.ops import sliding_window_visibility, softcapped_attention
+from specpass.ir.ops import sliding_window_visibility, softcapped_attention, write_cache
 from specpass.ir.roles import Role, info, nodes_with_role
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -49,13 +49,13 @@ def shared_mask(graph: torch.fx.Graph) -> torch.fx.Node | None:
 
 
 def cache_writes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The in-place cache writes `cache.index_copy_(2, slots, new)`, in graph order (K then V per layer)."""
-    return [n for n in nodes_with_role(graph, Role.CACHE_WRITE) if n.op == "call_method" and n.target == "index_copy_"]
+    """The in-place cache writes `write_cache(cache, slots, new)` (ir.ops), in graph order (K then V per layer)."""
+    return [n for n in nodes_with_role(graph, Role.CACHE_WRITE) if n.op == "call_function" and n.target is write_cache]
 
 
 def write_slot_indices(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The distinct slot-index nodes the cache writes use."""
-    return {n.args[2] for n in cache_writes(graph)}
+    return {n.args[1] for n in cache_writes(graph)}
 
 
 def shared_write_slots(graph: torch.fx.Graph) -> torch.fx.Node | None:

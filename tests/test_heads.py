@@ -92,7 +92,7 @@ def test_pass_adds_a_draft_graph_and_leaves_the_verify_graph_bit_exact(trained):
     assert {"draft", "lm_head", "embed", "input", "output"} <= roles
     verify(with_heads)
     inputs = dict(input_ids=torch.randint(0, 96, (1, 5)), positions=torch.arange(5)[None], kv_len=5,
-                  tree_mask=torch.ones(5, 5, dtype=torch.bool).tril()[None], cache_slots=torch.arange(5))  # fmt: skip
+                  tree_mask=torch.ones(5, 5, dtype=torch.bool).tril()[None], cache_slots=torch.arange(5)[None])  # fmt: skip
     expected = [o.clone() for o in base(**inputs)]
     got = with_heads(**inputs)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))  # bit for bit

@@ -11,9 +11,9 @@ from torch import nn
 import specpass
 from specpass.backends.eager import EagerStep
 from specpass.backends.fuse_projections import fuse_projections, sibling_linears
-from specpass.backends.inductor import InductorStep, inplace_cache_writes
+from specpass.backends.inductor import InductorStep, inplace_cache_writes, write_cache_in_place
 from specpass.drafters import DraftTree
-from specpass.ir import Role, SlotLayout, arch_spec, capture, info
+from specpass.ir import Role, SlotLayout, arch_spec, capture, info, query
 
 
 def _tree_step(arch: str):
@@ -103,11 +103,11 @@ def test_fused_weights_are_shared_by_programs_and_follow_in_place_changes():
 def test_inplace_cache_writes_graph_and_equivalence():
     gm = _tree_step("llama")
     rewritten = inplace_cache_writes(gm)
-    writes = [n for n in rewritten.graph.nodes if n.target is torch.ops.aten.index_put_.default]
+    writes = [n for n in rewritten.graph.nodes if n.target is write_cache_in_place]
     assert len(writes) == 2 * 2  # K and V of each of the tiny model's 2 layers
     assert all(w.args[0].op == "get_attr" and w.args[0].target in ("k_cache", "v_cache") for w in writes)
-    assert not [n for n in rewritten.graph.nodes if n.op == "call_method" and n.target == "index_copy_"]
-    assert [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "index_copy_"]  # source kept
+    assert not query.cache_writes(rewritten.graph)
+    assert len(query.cache_writes(gm.graph)) == 4  # source kept
     expected = _prefix_and_tree(EagerStep(gm), gm)
     got = _prefix_and_tree(EagerStep(rewritten), gm)
     for g, e in zip(got, expected):
@@ -118,7 +118,7 @@ def test_inplace_cache_writes_graph_and_equivalence():
 @torch.no_grad()
 def test_compiled_step_copies_no_cache_slice():
     """Compiled by inductor, the step with in-place cache writes has no loop over a layer's cache
-    slice (B * KV * S * D elements), which the index_copy_-through-a-view form compiles to (a clone of
+    slice (B * KV * S * D elements), which the scatter-through-a-view form compiles to (a clone of
     the slice per write and a copy of the whole buffer back): the control."""
     from torch._inductor.utils import run_and_get_code
 
@@ -128,11 +128,11 @@ def test_compiled_step_copies_no_cache_slice():
     slice_loop = re.compile(rf"x\d+<static_cast<int64_t>\({batch * kv * slots * dim}L\)")
     ids = torch.randint(0, 96, (1, 3))
     codes = {}
-    for name, graph in (("in place", inplace_cache_writes(gm)), ("index_copy_", gm)):
+    for name, graph in (("in place", inplace_cache_writes(gm)), ("through a view", gm)):
         compiled = torch.compile(graph, fullgraph=True, dynamic=True)
         inputs = SlotLayout.chain(10, 3).step_inputs(ids)
         names = [n.target for n in graph.graph.nodes if n.op == "placeholder"]
         _, code = run_and_get_code(compiled, **{k: inputs[k] for k in names})
         codes[name] = "\n".join(code)
-    assert slice_loop.search(codes["index_copy_"])
+    assert slice_loop.search(codes["through a view"])
     assert not slice_loop.search(codes["in place"])

@@ -4,7 +4,7 @@ from conftest import tiny_model
 
 from specpass.drafters import DraftTree
 from specpass.errors import InvalidParameterError, PassMismatchError
-from specpass.ir import Role, SlotLayout, capture, info
+from specpass.ir import Role, RowsLayout, SlotLayout, capture, info, query
 from specpass.ir.layout import slot_visibility
 from specpass.ir.roles import placeholder
 from specpass.passes import PassManager, Pipeline
@@ -30,9 +30,15 @@ def test_tree_mask_matches_brute_force():
     tree = DraftTree(tuple(range(7)), PARENTS, (1.0,) * 7, (None,) * 7)
     prefix, kv_len = 5, 16
     layout = SlotLayout(prefix, tree.ancestor_mask())
-    mask = slot_visibility(layout.ancestors[None], layout.write_slots(), kv_len)
+    mask = slot_visibility(layout.ancestors[None], layout.write_slots()[None], kv_len)
     assert mask.shape == (1, 1, 7, kv_len)
     assert torch.equal(mask[0, 0], brute_force_mask(PARENTS, prefix, kv_len))
+    # two rows, each with its own prefix: each row's mask is its own brute-force mask
+    rows = RowsLayout((layout, SlotLayout(2, tree.ancestor_mask())))
+    inputs = rows.step_inputs(torch.zeros(2, 7, dtype=torch.long))
+    both = slot_visibility(inputs["tree_mask"], inputs["cache_slots"], kv_len)
+    assert torch.equal(both[0, 0], brute_force_mask(PARENTS, prefix, kv_len))
+    assert torch.equal(both[1, 0], brute_force_mask(PARENTS, 2, kv_len))
     assert tree.depths() == [0, 1, 1, 2, 2, 3, 2]
     assert layout.positions().tolist() == [prefix + d for d in tree.depths()] and layout.kv_len == prefix + 7
 
@@ -51,8 +57,8 @@ def test_graph_after_rewrite(model_and_graphs):
     assert not any(n.op == "call_module" and "mask" in str(n.target) for n in tree.graph.nodes)
     masks = [n for n in tree.graph.nodes if n.target is slot_visibility]
     assert len(masks) == 1 and info(masks[0]).role is Role.MASK
-    writes = [n for n in tree.graph.nodes if info(n).role is Role.CACHE_WRITE and n.op == "call_method"]
-    assert {w.args[2].target for w in writes} == {"cache_slots"}
+    writes = query.cache_writes(tree.graph)
+    assert len(writes) == 4 and {w.args[1].target for w in writes} == {"cache_slots"}
     assert placeholder(chain.graph, "tree_mask") is None  # the input graph is untouched
 
 
@@ -85,7 +91,7 @@ def _run_tree(tree_gm, tokens, parents, prefix):
     depths = torch.tensor(t.depths())
     logits, _ = tree_gm(
         torch.tensor([tokens]), (prefix + depths)[None], prefix + len(tokens), t.ancestor_mask()[None],
-        torch.arange(prefix, prefix + len(tokens)),
+        torch.arange(prefix, prefix + len(tokens))[None],
     )  # fmt: skip
     return logits[0]
 
@@ -96,7 +102,7 @@ def test_tree_verification_equals_chain_verification_branch_by_branch(model_and_
     prompt = torch.randint(0, 96, (1, 9))
     tokens = [5, 17, 33, 41, 2, 8, 60]
     chain(prompt, torch.arange(9)[None], 9)
-    tree(prompt, torch.arange(9)[None], 9, torch.ones(9, 9, dtype=torch.bool).tril()[None], torch.arange(9))
+    tree(prompt, torch.arange(9)[None], 9, torch.ones(9, 9, dtype=torch.bool).tril()[None], torch.arange(9)[None])
     tree_logits = _run_tree(tree, tokens, PARENTS, prefix=9)
     for leaf in (3, 5, 6):
         branch, node = [], leaf
@@ -115,7 +121,7 @@ def test_tree_verification_equals_chain_verification_branch_by_branch(model_and_
 def test_one_node_tree_is_plain_decoding(model_and_graphs):
     model, chain, tree = model_and_graphs
     prompt = torch.randint(0, 96, (1, 6))
-    tree(prompt, torch.arange(6)[None], 6, torch.ones(6, 6, dtype=torch.bool).tril()[None], torch.arange(6))
+    tree(prompt, torch.arange(6)[None], 6, torch.ones(6, 6, dtype=torch.bool).tril()[None], torch.arange(6)[None])
     logits = _run_tree(tree, [11], (-1,), prefix=6)
     torch.testing.assert_close(logits[0], model(torch.cat([prompt, torch.tensor([[11]])], 1)).logits[0, -1],
                                rtol=0, atol=1e-5)  # fmt: skip

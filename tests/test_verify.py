@@ -120,10 +120,10 @@ def test_the_mask_is_annotated(steps):
 def test_every_cache_write_uses_the_same_slots(steps):
     gm = copy_step(steps[0])
     write = query.cache_writes(gm.graph)[3]
-    slots = write.args[2]
+    slots = write.args[1]
     with gm.graph.inserting_after(slots):
         other = annotate(gm.graph.call_function(operator.add, (slots, 0)), Role.CACHE_INDEX)
-    write.update_arg(2, other)
+    write.update_arg(1, other)
     _broken(gm, "every cache write must use the same slot index")
 
 
@@ -175,9 +175,9 @@ def test_tree_attention_invariants(steps):
     write = query.cache_writes(gm.graph)
     positions = placeholder(gm.graph, "positions")
     with gm.graph.inserting_after(positions):
-        slots = annotate(gm.graph.call_function(operator.getitem, (positions, 0)), Role.CACHE_INDEX)
+        slots = annotate(gm.graph.call_function(torch.clone, (positions,)), Role.CACHE_INDEX)
     for w in write:
-        w.update_arg(2, slots)
+        w.update_arg(1, slots)
     verify(gm)
     _broken(gm, "do not index with cache_slots", tree_pass.verify)
     assert query.shared_mask(steps[1].graph).target is slot_visibility  # the fixture is untouched

@@ -6,6 +6,7 @@ and the torch.compile backend named "specpass".
 
 from specpass import drafters, rewrites
 from specpass.api import compile_program, generate, load_onnx
+from specpass.backends.batch_decode import BatchGeneration
 from specpass.backends.decode import Generation, GenerationStats
 from specpass.backends.options import CompileOptions
 from specpass.errors import (
@@ -24,6 +25,7 @@ from specpass.models import load_default_model
 from specpass.passes import Pipeline
 
 __all__ = [
+    "BatchGeneration",
     "CacheCapacityError",
     "CompileOptions",
     "ExportError",

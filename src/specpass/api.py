@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specpass.backends.decode import Generation, check_max_new_tokens, check_prompt
+from specpass.backends.batch_decode import BatchGeneration, check_rows, generate_rows, prompts_from
+from specpass.backends.decode import Generation, check_prompt
 from specpass.backends.decode import generate as _decode
 from specpass.backends.program import DecodeProgram, program_for
 from specpass.backends.resolve import resolve
@@ -16,16 +17,19 @@ from specpass.errors import InvalidParameterError
 from specpass.ir import arch_spec
 
 
-def compile_program(model: nn.Module | DecodeProgram, options=None) -> DecodeProgram:
-    """The speculative program of `model` (plain, or compiled with backend="specpass"); a program
-    (e.g. from `load_onnx`) is returned as it is."""
+def compile_program(model: nn.Module | DecodeProgram, options=None, rows: int = 1) -> DecodeProgram:
+    """The speculative program of `model` (plain, or compiled with backend="specpass") with a cache of
+    `rows` sequences; a program (e.g. from `load_onnx`) is returned as it is."""
     if isinstance(model, DecodeProgram):
         if options is not None:
             raise InvalidParameterError("a program's options are fixed when it is built; options must be None")
+        if rows > getattr(model, "rows", 1):
+            raise InvalidParameterError(f"batch size {rows}: this {type(model).__name__} runs one sequence at a "
+                                        "time; generate from the model itself for a batch")  # fmt: skip
         return model
     model, opts = resolve(model, options)
     arch_spec(model)  # clear error for unsupported architectures before any capture work
-    return program_for(model, opts)
+    return program_for(model, opts, rows)
 
 
 @torch.no_grad()
@@ -34,16 +38,18 @@ def generate(
     input_ids: torch.Tensor,
     max_new_tokens: int = 128,
     *,
+    attention_mask: torch.Tensor | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
     options=None,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     acceptance: str = "auto",
-) -> Generation:
+) -> Generation | BatchGeneration:
     """Speculative generation; the tokens equal the model's plain decoding with the same settings.
 
     model: `torch.compile(model, backend="specpass", options=...)`, a plain HF model (then `options`
@@ -53,17 +59,32 @@ def generate(
     gives the same tokens with or without speculation (backends/sampling.py); drafts drawn from draft
     laws (drafters.Heads(temperature=...)) are accepted by the multi-candidate rule instead, which
     keeps the distribution but not the tokens, unless acceptance="match" (backends/multi_candidate.py).
+
+    A batch: input_ids [B, P] with attention_mask [B, P] (1: token, 0: padding, left or right), as in
+    Hugging Face. Every row's tokens equal that row generated alone (backends/batch_decode.py); the
+    result is a `BatchGeneration`: `sequences` [B, P + N] (prompts left-padded, then new tokens, then
+    pad_token_id, default the model's pad token, else its EOS) and per-row `stats`. seed: one for
+    every row, or one per row (rows with the same prompt and seed give the same tokens).
     """
-    check_prompt(input_ids)
-    check_max_new_tokens(max_new_tokens)
-    sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        seed=seed, acceptance=acceptance)  # fmt: skip
-    program = compile_program(model, options)
+    prompts = prompts_from(input_ids, attention_mask)
+    if len(prompts) == 1:
+        check_prompt(torch.tensor(prompts, dtype=torch.long).reshape(1, -1))  # [1, P]: an empty one is refused here
+    check_rows(prompts, max_new_tokens)
+    seeds = [seed] * len(prompts) if isinstance(seed, int) or not isinstance(seed, Sequence) else list(seed)
+    if len(seeds) != len(prompts):
+        raise InvalidParameterError(f"seed: give one int, or one per row ({len(prompts)}), got {len(seeds)}")
+    choices = [TargetChoice(sampling=Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                              top_p=top_p, min_p=min_p, seed=s, acceptance=acceptance))
+               for s in seeds]  # fmt: skip
+    program = compile_program(model, options, rows=len(prompts))
     if eos_token_id is None:
         eos = program.eos_token_ids
     else:
         eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    return _decode(program, input_ids, max_new_tokens, eos, TargetChoice(sampling=sampling))
+    if len(prompts) > 1:
+        return generate_rows(program, prompts, max_new_tokens, eos, choices, pad_token_id=pad_token_id)
+    ids = torch.tensor(prompts, dtype=torch.long, device=input_ids.device)  # [1, P]: without padding
+    return _decode(program, ids, max_new_tokens, eos, choices[0])
 
 
 def load_onnx(directory: str, **kwargs):

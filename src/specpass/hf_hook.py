@@ -11,13 +11,19 @@ HF drops the `tokenizer` argument of a callable custom_generate), max time. HF's
 a `streamer` to a callable hook (it puts the prompt into it itself and keeps it), so streaming through
 the hook is not available. Sampling draws its noise from a seed: the hook's own
 `seed=` argument (`model.generate(..., seed=7, custom_generate=...)`), else one int drawn from
-torch's global generator, so `torch.manual_seed` makes a run reproducible.
+torch's global generator, so `torch.manual_seed` makes a run reproducible. A padded batch
+(input_ids [B, P] with attention_mask, padding on either side) runs as specpass.generate's batch
+(backends/batch_decode.py); the result is HF's layout (prompts left-padded, new tokens, then the pad
+token); when sampling, row b draws with seed + b, so identical prompts give different samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from specpass.backends.batch_decode import generate_rows, prompts_from
 from specpass.backends.decode import generate as decode
 from specpass.backends.sampling import Sampling, TargetChoice
 from specpass.errors import UnsupportedSettingError
@@ -75,8 +81,15 @@ def custom_generate(options=None):
             raise UnsupportedSettingError(
                 f"max_length {config.max_length} leaves no room after a prompt of {input_ids.shape[1]} tokens"
             )
-        program = compile_program(model, options)
-        return decode(program, input_ids, max_new, _eos(config), TargetChoice(processors, sampling), stop).sequences
+        prompts = prompts_from(input_ids, kwargs.get("attention_mask"))
+        program = compile_program(model, options, rows=len(prompts))
+        if len(prompts) == 1 and len(prompts[0]) == input_ids.shape[1]:
+            return decode(program, input_ids, max_new, _eos(config), TargetChoice(processors, sampling), stop).sequences
+        choices = [TargetChoice(processors, dataclasses.replace(sampling, seed=sampling.seed + b) if config.do_sample
+                                else sampling) for b in range(len(prompts))]  # fmt: skip
+        pad = config.pad_token_id if isinstance(config.pad_token_id, int) else None
+        batch = generate_rows(program, prompts, max_new, _eos(config), choices, stop, pad_token_id=pad)
+        return batch.sequences.to(input_ids.device)
 
     return specpass_decoding
 
@@ -89,9 +102,6 @@ def _refuse_settings(config, kwargs: dict, input_ids: torch.Tensor) -> None:
     for name, value in kwargs.items():
         if name not in _HARMLESS_KWARGS and value is not None:
             raise UnsupportedSettingError(f"specpass's custom_generate does not implement the argument {name!r}")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise UnsupportedSettingError("specpass's custom_generate runs unpadded batch-1 prompts (attention_mask has 0s)")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise UnsupportedSettingError("specpass's custom_generate starts from an empty cache; a filled one was given")

@@ -1,0 +1,158 @@
+"""Batched decoding on the default model: specpass at B = 1, 2, 4, 8 against HF batched greedy and HF
+static cache + torch.compile batched, in the same run, code and chat prompts mixed in each batch.
+
+    python benchmarks/batch.py [--prompts 4] [--batches 1 2 4 8] [--max-new-tokens 128] [--no-compile-baseline]
+
+The evaluation prompts (HumanEval[120:120+N] raw, chat summaries [0:N]) are interleaved code, chat,
+code, ... and cut into consecutive batches of B, so every B generates the same rows. HF's batches are
+left-padded (its convention for decoder-only generation); specpass's take the same padded ids with
+the attention mask. Per B: new tokens / wall seconds over all batches, tau (specpass), and how many
+specpass rows differ from the row generated alone by HF greedy (float32: expected 0) and from HF's
+padded batch (padding changes HF's own rounding, so a rare flip there is HF's, reported as is).
+Writes benchmarks/results/batch-<device>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import specpass
+from specpass import bench
+from specpass import prompts as P
+
+
+def _padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids [B, P] and attention_mask [B, P] of prompts [1, P_b]."""
+    width = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - r.shape[1] :], mask[b, width - r.shape[1] :] = r[0], 1
+    return ids, mask
+
+
+def _new_tokens(sequences: torch.Tensor, width: int, eos: set[int], pad: int) -> list[list[int]]:
+    """Each row's new tokens from a [B, width + N] output (up to and including its first EOS)."""
+    out = []
+    for row in sequences[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos), None)
+        out.append(row if cut is None else row[: cut + 1])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per set (rows = 2 x this)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--no-compile-baseline", action="store_true")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = specpass.load_default_model()
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])  # fmt: skip
+    pad = model.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) else min(eos)
+    code = [P.encode_code(tokenizer, p) for p in P.code_prompts(args.prompts, bench.CODE_OFFSET)]
+    chat = [P.encode_chat(tokenizer, m) for m in P.chat_messages(args.prompts)]
+    rows = [r for pair in zip(code, chat) for r in pair]  # code, chat, code, chat, ...
+    new = args.max_new_tokens
+    alone = [model.generate(r, max_new_tokens=new, do_sample=False)[0, r.shape[1] :].tolist() for r in rows]
+    compiled_forward = None if args.no_compile_baseline else bench._compiled_forward(model, torch.device("cpu"))
+
+    def hf(ids, mask, static: bool):
+        kwargs, original = {}, model.forward
+        if static:
+            from transformers import StaticCache
+
+            kwargs[bench._cache_kwarg(model)] = StaticCache(config=model.config, max_cache_len=bench.STATIC_CACHE_LEN)
+            model.forward = compiled_forward
+        try:
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad,
+                                  **kwargs)  # fmt: skip
+        finally:
+            model.forward = original
+
+    results = {}
+    for b in args.batches:
+        batches = [rows[i : i + b] for i in range(0, len(rows), b)]
+        padded = [_padded(batch, pad) for batch in batches]
+        runners = {"hf_batched_greedy": lambda ids, mask: hf(ids, mask, static=False)}
+        if compiled_forward is not None:
+            runners["hf_static_compile_batched"] = lambda ids, mask: hf(ids, mask, static=True)
+        program = specpass.compile_program(model, rows=b)
+        program.cost_curve  # measured before timing
+        runners["specpass_batched"] = lambda ids, mask: specpass.generate(program, ids, new, attention_mask=mask)
+        line = {}
+        for name, run in runners.items():
+            run(*padded[0])  # warm-up: compiles the static-cache forward for this B, settles the program
+            program.forget()
+            tokens, forwards, seconds, differ_alone, differ_hf = 0, 0, 0.0, 0, 0
+            hf_rows: list[list[int]] = []
+            for (ids, mask), batch_rows in zip(padded, batches):
+                t0 = time.perf_counter()
+                out = run(ids, mask)
+                seconds += time.perf_counter() - t0
+                if name == "specpass_batched":
+                    got = [list(t) for t in out.new_tokens] if b > 1 else [out.sequences[0, ids.shape[1] :].tolist()]
+                    stats = out.stats if b > 1 else (out.stats,)
+                    forwards += sum(s.target_forwards for s in stats)
+                else:
+                    got = _new_tokens(out, ids.shape[1], eos, pad)
+                    if name == "hf_batched_greedy":
+                        hf_rows += got
+                tokens += sum(len(g) for g in got)
+                start = rows.index(batch_rows[0])
+                differ_alone += sum(g != alone[start + i] for i, g in enumerate(got))
+                if name == "specpass_batched":
+                    differ_hf += sum(g != hf_rows[start + i] for i, g in enumerate(got))
+            line[name] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2),
+                          "rows_differing_from_hf_greedy_alone": differ_alone}  # fmt: skip
+            if name == "specpass_batched":
+                line[name] |= {"tau": round(tokens / forwards, 3), "rows_differing_from_hf_padded_batch": differ_hf}
+        greedy = line["hf_batched_greedy"]["tokens_per_second"]
+        for entry in line.values():
+            entry["speedup_vs_hf_batched_greedy"] = round(entry["tokens_per_second"] / greedy, 3)
+        results[str(b)] = line
+        print(f"B={b}: " + ", ".join(f"{k} {v['tokens_per_second']} tok/s ({v['speedup_vs_hf_batched_greedy']}x)"
+                                     for k, v in line.items()), flush=True)  # fmt: skip
+
+    report = {
+        **bench.run_identity(torch.device("cpu")),
+        **bench.evaluation_sets(args.prompts, new),
+        "rows": "code and chat interleaved, cut into consecutive batches of B (the same rows for every B)",
+        "drafter": "default (Combined(PromptLookup(), TokenRecycling())), budget 'cost'",
+        "results": results,
+    }
+    path = bench.write_report(report, args.out_dir, prefix="batch-")
+    _plot(report, path.removesuffix(".json") + ".png")
+    print(f"wrote {path}")
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [int(b) for b in report["results"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in next(iter(report["results"].values())):
+        rates = [report["results"][str(b)][name]["tokens_per_second"] for b in batches]
+        ax.plot(batches, rates, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("new tokens / s (all rows)")
+    ax.set_title(f"Batched decoding, SmolLM2-135M float32\n{report['device']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Batched speculative decoding (backends/batch_decode.py): rows of different lengths in one forward,
+ragged acceptance, per-row commits, rows finishing at different steps; every row equals that
+sequence decoded alone."""
+
+import pytest
+import torch
+
+import specpass
+from conftest import peaked_tiny_model, tiny_model, token_inside_an_accepted_draft
+from specpass.backends.batch_decode import generate_rows
+from specpass.backends.options import CompileOptions
+from specpass.backends.program import SpeculativeProgram
+from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
+from specpass.errors import InvalidParameterError
+from specpass.ir import RowsLayout, SlotLayout
+from specpass.rewrites import DraftHeads, EarlyExit, TreeAttention
+
+BUDGET = 8  # a fixed tree size per row: no cost curve to measure for every batch size
+
+
+def _options(drafter=None, pipeline=None, **extra) -> dict:
+    options = {"drafter": drafter or Combined(PromptLookup(), TokenRecycling()), "budget": BUDGET}
+    if pipeline is not None:
+        options["pipeline"] = pipeline
+    return options | extra
+
+
+def _heads(kind: str, drafter) -> dict:
+    return _options(drafter, specpass.Pipeline(TreeAttention(64), DraftHeads(kind)))
+
+
+DRAFTERS = {
+    "prompt_lookup": _options(PromptLookup()),
+    "token_recycling": _options(TokenRecycling()),
+    "combined": _options(),
+    "medusa": _heads("medusa", Heads()),
+    "hydra": _heads("hydra", Heads()),
+}
+
+
+def _padded(prompts: list[torch.Tensor], left: bool = True, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, P] and attention_mask [B, P] of 1-row prompts [1, P_b], padded on one side."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        cols = slice(width - p.shape[1], width) if left else slice(0, p.shape[1])
+        ids[b, cols], mask[b, cols] = p[0], 1
+    return ids, mask
+
+
+def _continuation(reference: torch.Tensor, prompt: torch.Tensor, limit: int, eos: set[int] = frozenset()) -> list[int]:
+    """HF greedy's new tokens, cut at `limit` and after the first of `eos`."""
+    tokens = reference[0, prompt.shape[1] :].tolist()[:limit]
+    cut = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if cut is None else tokens[: cut + 1]
+
+
+# ---- the real model (float32, CPU): every row equals HF greedy of that prompt alone ----
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_batch_rows_equal_greedy_alone(default_model, cases, name):
+    """Four rows of different prompt lengths, 80 new tokens: two end at EOS (after 46 and 74 tokens),
+    two at the length limit; each equals HF greedy of its prompt alone."""
+    model, _ = default_model
+    ids, mask = _padded([c[0] for c in cases])
+    out = specpass.generate(model, ids, max_new_tokens=80, attention_mask=mask, options=DRAFTERS[name])
+    assert isinstance(out, specpass.BatchGeneration)
+    for b, (prompt, reference) in enumerate(cases):
+        expected = _continuation(reference, prompt, 80)
+        assert list(out.new_tokens[b]) == expected
+        assert out.stats[b].finish_reason == ("length" if len(expected) == 80 else "eos")
+        width = ids.shape[1]
+        assert out.sequences[b, width - prompt.shape[1] : width + len(expected)].tolist() == reference[0].tolist()[
+            : prompt.shape[1] + len(expected)]  # fmt: skip
+    assert [s.finish_reason for s in out.stats] == ["length", "eos", "length", "eos"]
+    assert sum(s.new_tokens for s in out.stats) / sum(s.target_forwards for s in out.stats) > 1.15  # drafts accepted
+
+
+@pytest.mark.parametrize("rows", [3, 5, 8])
+def test_batch_sizes_and_mixed_lengths(default_model, cases, rows):
+    """B rows cycling through the four prompts (so prompts repeat at B = 5 and 8), right-padded
+    (B = 1, 2 and 4 run in the tests above and below)."""
+    model, _ = default_model
+    chosen = [cases[(b * 3) % len(cases)] for b in range(rows)]
+    ids, mask = _padded([c[0] for c in chosen], left=False)
+    out = specpass.generate(model, ids, max_new_tokens=32, attention_mask=mask, options=_options())
+    for b, (prompt, reference) in enumerate(chosen):
+        assert list(out.new_tokens[b]) == _continuation(reference, prompt, 32)
+    steps = [s.steps for s in out.stats]
+    assert any(len({row[i] for row in steps if i < len(row)}) > 1 for i in range(min(map(len, steps))))  # ragged
+
+
+def test_batch_of_one_and_specpass_alone(default_model, cases):
+    """A batch of one padded row equals specpass's own unpadded run, which equals HF greedy."""
+    model, _ = default_model
+    prompt, reference = cases[1]
+    alone = specpass.generate(model, prompt, max_new_tokens=40, options=_options())
+    ids, mask = _padded([prompt, cases[0][0]])
+    padded_one = specpass.generate(model, ids[:1], max_new_tokens=40, attention_mask=mask[:1], options=_options())
+    assert torch.equal(alone.sequences, reference[:, : prompt.shape[1] + 40])
+    assert torch.equal(padded_one.sequences, alone.sequences)
+
+
+def test_batch_eos_inside_an_accepted_draft_and_length_limit(default_model, cases):
+    model, _ = default_model
+    prompt, reference = cases[0]
+    alone = specpass.generate(model, prompt, max_new_tokens=80, options=_options())
+    eos_token, index = token_inside_an_accepted_draft(reference[0, prompt.shape[1] :].tolist(), alone.stats.steps)
+    configured = model.generation_config.eos_token_id
+    eos = {eos_token, *(configured if isinstance(configured, list) else [configured])}
+    ids, mask = _padded([c[0] for c in cases])
+    out = specpass.generate(model, ids, max_new_tokens=80, attention_mask=mask, options=_options(),
+                            eos_token_id=sorted(eos))  # fmt: skip
+    for b, (p, r) in enumerate(cases):
+        assert list(out.new_tokens[b]) == _continuation(r, p, 80, eos)
+    assert out.stats[0].finish_reason == "eos" and len(out.new_tokens[0]) == index + 1
+    short = specpass.generate(model, ids, max_new_tokens=7, attention_mask=mask, options=_options())
+    for b, (p, r) in enumerate(cases):
+        assert list(short.new_tokens[b]) == _continuation(r, p, 7) and short.stats[b].finish_reason == "length"
+
+
+def test_batch_with_the_cost_budget(default_model, cases):
+    """budget="cost": one tree size per step for all rows, from the curve of forwards of all rows."""
+    model, _ = default_model
+    ids, mask = _padded([c[0] for c in cases[:2]])
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16))}
+    out = specpass.generate(model, ids, max_new_tokens=40, attention_mask=mask, options=options)
+    for b, (p, r) in enumerate(cases[:2]):
+        assert list(out.new_tokens[b]) == _continuation(r, p, 40)
+    program = specpass.compile_program(model, options, rows=2)
+    assert program.rows == 2 and program.cost_curve.sizes[-1] == 16
+
+
+# ---- tiny models: the layout, the commit, rows independent of each other ----
+
+
+def _program(model, rows: int, **options) -> SpeculativeProgram:
+    return SpeculativeProgram(model, CompileOptions.from_mapping({"lowering": "eager", "budget": 4} | options), rows)
+
+
+def test_rows_layout_inputs():
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root with two children
+    layout = RowsLayout((SlotLayout(5, tree), SlotLayout.chain(2, 1, evicted=0)))
+    inputs = layout.step_inputs(torch.zeros(2, 3, dtype=torch.long))
+    assert layout.size == 3 and inputs["kv_len"] == 8
+    assert inputs["cache_slots"].tolist() == [[5, 6, 7], [2, 3, 4]]
+    assert inputs["positions"].tolist() == [[5, 6, 6], [2, 3, 4]]
+    assert torch.equal(inputs["tree_mask"][0], tree)
+    assert torch.equal(inputs["tree_mask"][1], torch.eye(3, dtype=torch.bool))  # padding sees only itself
+    rows, src, dst = layout.moves([[0, 2], [0]])
+    assert (rows, src, dst) == ([0], [7], [6])
+
+
+def test_rows_forward_equals_each_row_alone():
+    """Rows with different prompt lengths and different trees in one forward give each row's logits
+    of that row run alone (float32 rounding), and write only their own cache rows."""
+    model = tiny_model("qwen2")
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 3)]
+    trees = [torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool), torch.ones(2, 2, dtype=torch.bool).tril(),
+             torch.ones(1, 1, dtype=torch.bool)]  # fmt: skip
+    nodes = [torch.tensor([7, 8, 9]), torch.tensor([10, 11]), torch.tensor([12])]
+    batch = _program(model, 3)
+    prefill = RowsLayout(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
+    batch.forward_rows(prefill.pad_tokens(prompts), prefill)
+    step = RowsLayout(tuple(SlotLayout(len(p), t) for p, t in zip(prompts, trees)))
+    logits, _ = batch.forward_rows(step.pad_tokens(nodes), step)  # [3, 3, V]
+    for b, (prompt, tree, node_tokens) in enumerate(zip(prompts, trees, nodes)):
+        alone = _program(model, 1)
+        alone.forward(prompt, SlotLayout.chain(0, len(prompt)))
+        expected, _ = alone.forward(node_tokens, SlotLayout(len(prompt), tree))  # [T_b, V]
+        torch.testing.assert_close(logits[b, : len(node_tokens)], expected, rtol=1e-5, atol=1e-5)
+        written = len(prompt) + len(node_tokens)
+        torch.testing.assert_close(batch.k_cache[:, b, :, :written], alone.k_cache[:, 0, :, :written], rtol=1e-5, atol=1e-5)
+
+
+def test_commit_rows_leaves_the_other_rows_bit_identical():
+    model = tiny_model("llama")
+    batch = _program(model, 3)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    layout = RowsLayout(tuple(SlotLayout(c, tree) for c in (4, 6, 2)))
+    batch.forward_rows(torch.randint(0, 96, (3, 3)), layout)
+    before_k, before_v = batch.k_cache.clone(), batch.v_cache.clone()
+    committed = batch.commit_rows(layout, [[0], [0, 2], [0, 1]])  # only row 1 moves: node 2 -> slot 7
+    assert committed == [5, 8, 4]
+    for cache, before in ((batch.k_cache, before_k), (batch.v_cache, before_v)):
+        assert torch.equal(cache[:, 0], before[:, 0]) and torch.equal(cache[:, 2], before[:, 2])
+        assert torch.equal(cache[:, 1, :, 7], before[:, 1, :, 8])
+        assert torch.equal(cache[:, 1, :, :7], before[:, 1, :, :7])
+    batch.keep_rows([0, 2], slots=6)  # row 1's sequence ended: row 2 moves up
+    assert torch.equal(batch.k_cache[:, 1, :, :6], before_k[:, 2, :, :6])
+    assert torch.equal(batch.k_cache[:, 0], before_k[:, 0])
+
+
+def _hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_rows_do_not_depend_on_each_other_and_mix_matching_and_unmatched_prompts():
+    """A repetitive prompt (prompt lookup matches, multi-token steps) beside random ones (no match):
+    each row equals HF greedy alone, whatever the other rows are; rows accept different lengths."""
+    model = peaked_tiny_model()
+    repetitive = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(1)).repeat(3).tolist()
+    others = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 13, 6)]
+    program = _program(model, 3, drafter=PromptLookup())
+    expected = {tuple(p): _hf_greedy(model, p, 30) for p in [repetitive, *others]}
+    for batch in ([repetitive, others[0], others[1]], [others[2], repetitive]):
+        out = generate_rows(program, batch, max_new_tokens=30, eos_token_ids=[])
+        for prompt, tokens in zip(batch, out.new_tokens):
+            assert list(tokens) == expected[tuple(prompt)]
+        row = batch.index(repetitive)
+        assert max(out.stats[row].steps) > 1 and out.stats[row].target_forwards < 30
+        assert out.sequences.shape == (len(batch), max(map(len, batch)) + 30)
+
+
+def test_hf_hook_runs_a_padded_batch():
+    model = peaked_tiny_model()
+    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 11)]
+    ids, mask = _padded(prompts)
+    hook = specpass.custom_generate({"lowering": "eager", "drafter": PromptLookup()})
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, custom_generate=hook,
+                         eos_token_id=None, pad_token_id=0)  # fmt: skip
+    for b, prompt in enumerate(prompts):
+        assert out[b, ids.shape[1] :].tolist() == _hf_greedy(model, prompt[0].tolist(), 12)
+        assert torch.equal(out[b, : ids.shape[1]], ids[b])
+
+
+def test_batch_requests_are_clear_errors():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 96, (2, 5))
+    bad = [
+        ({"attention_mask": torch.ones(2, 4, dtype=torch.long)}, "shape"),
+        ({"attention_mask": torch.full((2, 5), 2)}, "only 0"),
+        ({"attention_mask": torch.tensor([[1, 0, 1, 1, 1], [1] * 5])}, "between tokens"),
+        ({"attention_mask": torch.tensor([[0] * 5, [1] * 5])}, "row 0's prompt is empty"),
+        ({"seed": [1, 2, 3], "do_sample": True}, "one per row"),
+        ({"options": {"lowering": "eager", "pipeline": specpass.Pipeline(TreeAttention(8), EarlyExit(1))}},
+         "self-speculation"),
+        ({"options": {"lowering": "eager"}, "max_new_tokens": 0}, "max_new_tokens"),
+    ]
+    for kwargs, message in bad:
+        kwargs = {"max_new_tokens": 4} | kwargs
+        with pytest.raises(InvalidParameterError, match=message):
+            specpass.generate(model, ids, **kwargs)
+    with pytest.raises(InvalidParameterError, match="holds 2 rows"):
+        generate_rows(_program(model, 2), [[1, 2], [3], [4]], max_new_tokens=2, eos_token_ids=[])
+
+
+def test_sampled_rows_equal_each_row_sampled_alone():
+    """Sampling keys its noise by (seed, position): a row sampled in a batch gives the tokens of that
+    prompt sampled alone with the row's seed."""
+    model = peaked_tiny_model()
+    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 10)]
+    ids, mask = _padded(prompts)
+    options = {"lowering": "eager", "drafter": PromptLookup()}
+    out = specpass.generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=0.7,
+                            seed=[3, 4], eos_token_id=[], options=options)  # fmt: skip
+    for b, (prompt, seed) in enumerate(zip(prompts, (3, 4))):
+        alone = specpass.generate(model, prompt, max_new_tokens=16, do_sample=True, temperature=0.7, seed=seed,
+                                  eos_token_id=[], options=options)  # fmt: skip
+        assert list(out.new_tokens[b]) == alone.sequences[0, prompt.shape[1] :].tolist()
