@@ -217,9 +217,12 @@ def test_rows_do_not_depend_on_each_other_and_mix_matching_and_unmatched_prompts
 
 
 def test_hf_hook_runs_a_padded_batch():
+    """Every row padded (one more column than the longest prompt needs): HF's layout, the input as given."""
     model = peaked_tiny_model()
     prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 11)]
     ids, mask = _padded(prompts)
+    column = torch.zeros(2, 1, dtype=torch.long)  # a padding column in front of every row
+    ids, mask = torch.cat([column, ids], 1), torch.cat([column, mask], 1)
     hook = specpass.custom_generate({"lowering": "eager", "drafter": PromptLookup()})
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, custom_generate=hook,
                          eos_token_id=None, pad_token_id=0)  # fmt: skip

@@ -13,8 +13,8 @@ the hook is not available. Sampling draws its noise from a seed: the hook's own
 `seed=` argument (`model.generate(..., seed=7, custom_generate=...)`), else one int drawn from
 torch's global generator, so `torch.manual_seed` makes a run reproducible. A padded batch
 (input_ids [B, P] with attention_mask, padding on either side) runs as specpass.generate's batch
-(backends/batch_decode.py); the result is HF's layout (prompts left-padded, new tokens, then the pad
-token); when sampling, row b draws with seed + b, so identical prompts give different samples.
+(backends/batch_decode.py); the result is HF's layout (the input as given, each row's new tokens,
+then the pad token); when sampling, row b draws with seed + b, so identical prompts give different samples.
 """
 
 from __future__ import annotations
@@ -87,9 +87,14 @@ def custom_generate(options=None):
             return decode(program, input_ids, max_new, _eos(config), TargetChoice(processors, sampling), stop).sequences
         choices = [TargetChoice(processors, dataclasses.replace(sampling, seed=sampling.seed + b) if config.do_sample
                                 else sampling) for b in range(len(prompts))]  # fmt: skip
-        pad = config.pad_token_id if isinstance(config.pad_token_id, int) else None
-        batch = generate_rows(program, prompts, max_new, _eos(config), choices, stop, pad_token_id=pad)
-        return batch.sequences.to(input_ids.device)
+        batch = generate_rows(program, prompts, max_new, _eos(config), choices, stop)
+        pad = config.pad_token_id if isinstance(config.pad_token_id, int) else next(iter(_eos(config)), 0)
+        new = max(len(tokens) for tokens in batch.new_tokens)
+        out = torch.full((len(prompts), input_ids.shape[1] + new), pad, dtype=torch.long, device=input_ids.device)
+        out[:, : input_ids.shape[1]] = input_ids  # HF's layout: the input as given, then each row's new tokens
+        for b, tokens in enumerate(batch.new_tokens):
+            out[b, input_ids.shape[1] : input_ids.shape[1] + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return out
 
     return specpass_decoding
 
