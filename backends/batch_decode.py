@@ -171,11 +171,19 @@ def generate_rows(
 def _sequences(seqs: list[SequenceState], pad: int) -> torch.Tensor:
     """[B, P + N]: prompts left-padded to the longest, new tokens, padding after (BatchGeneration)."""
     width = max(s.n_prompt for s in seqs)
-    new = max(len(s.tokens) - s.n_prompt for s in seqs)
-    out = torch.full((len(seqs), width + new), pad, dtype=torch.long)
+    prompts = torch.full((len(seqs), width), pad, dtype=torch.long)
     for b, s in enumerate(seqs):
-        out[b, width - s.n_prompt : width] = torch.tensor(s.tokens[: s.n_prompt])
-        out[b, width : width + len(s.tokens) - s.n_prompt] = torch.tensor(s.tokens[s.n_prompt :], dtype=torch.long)
+        prompts[b, width - s.n_prompt :] = torch.tensor(s.tokens[: s.n_prompt])
+    return with_new_tokens(prompts, [s.tokens[s.n_prompt :] for s in seqs], pad)
+
+
+def with_new_tokens(inputs: torch.Tensor, new_tokens: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """[B, W + N]: inputs [B, W] as they are, then each row's new tokens, then `pad` up to the longest row's N."""
+    new = max(len(t) for t in new_tokens)
+    out = torch.full((inputs.shape[0], inputs.shape[1] + new), pad, dtype=torch.long, device=inputs.device)
+    out[:, : inputs.shape[1]] = inputs
+    for b, tokens in enumerate(new_tokens):
+        out[b, inputs.shape[1] : inputs.shape[1] + len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
     return out
 
 
@@ -210,13 +218,12 @@ def _prefill(program: SpeculativeProgram, seqs: list[SequenceState], top_k: int)
 
 
 def _shared_size(curve, trees, overhead: float) -> int:
-    """Tokens per row n maximising the rows' expected tokens over latency(n) + overhead: a row whose
-    tree is smaller than n is padded (its expected tokens stop growing)."""
+    """Tokens per row n maximising the rows' summed expected tokens over latency(n) + overhead
+    (CostCurve.best_size): a row whose tree is smaller than n is padded (its expected tokens stop growing)."""
     expected = [expected_tokens(t) for t in trees]
     largest = max(len(e) for e in expected)
-    latencies = curve.latencies(largest)
-    rates = [sum(e[min(n, len(e)) - 1] for e in expected) / (latencies[n - 1] + overhead) for n in range(1, largest + 1)]
-    return 1 + max(range(largest), key=rates.__getitem__)
+    summed = [sum(e[min(n, len(e)) - 1] for e in expected) for n in range(1, largest + 1)]
+    return curve.best_size(summed, overhead)
 
 
 def _retire(program: SpeculativeProgram, live: list[SequenceState]) -> list[SequenceState]:

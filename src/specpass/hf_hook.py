@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from specpass.backends.batch_decode import generate_rows, prompts_from
+from specpass.backends.batch_decode import generate_rows, prompts_from, with_new_tokens
 from specpass.backends.decode import generate as decode
 from specpass.backends.sampling import Sampling, TargetChoice
 from specpass.errors import UnsupportedSettingError
@@ -89,12 +89,7 @@ def custom_generate(options=None):
                                 else sampling) for b in range(len(prompts))]  # fmt: skip
         batch = generate_rows(program, prompts, max_new, _eos(config), choices, stop)
         pad = config.pad_token_id if isinstance(config.pad_token_id, int) else next(iter(_eos(config)), 0)
-        new = max(len(tokens) for tokens in batch.new_tokens)
-        out = torch.full((len(prompts), input_ids.shape[1] + new), pad, dtype=torch.long, device=input_ids.device)
-        out[:, : input_ids.shape[1]] = input_ids  # HF's layout: the input as given, then each row's new tokens
-        for b, tokens in enumerate(batch.new_tokens):
-            out[b, input_ids.shape[1] : input_ids.shape[1] + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        return out
+        return with_new_tokens(input_ids, batch.new_tokens, pad)  # HF's layout: the input as given, then new tokens
 
     return specpass_decoding
 
