@@ -43,7 +43,7 @@ import torch
 
 import specpass
 from specpass import prompts
-from specpass.bench import device_label, run_identity, write_report
+from specpass.bench import run_identity, write_report
 from specpass.drafters import base
 
 PHASES = ("draft", "forward_call", "forward_wait", "commit", "observe", "other")

@@ -11,7 +11,7 @@ from torch import nn
 import specpass
 from specpass.backends.eager import EagerStep
 from specpass.backends.fuse_projections import fuse_projections, sibling_linears
-from specpass.backends.inductor import InductorStep, inplace_cache_writes, write_cache_in_place
+from specpass.backends.inductor import inplace_cache_writes, write_cache_in_place
 from specpass.drafters import DraftTree
 from specpass.ir import Role, SlotLayout, arch_spec, capture, info, query
 

@@ -1,7 +1,6 @@
 from dataclasses import dataclass
 
 import pytest
-import torch
 from conftest import tiny_model
 
 from specpass.errors import InvalidParameterError, PassMismatchError, PassPipelineError
