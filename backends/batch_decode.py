@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specpass.backends.decode import GenerationStats, SequenceState, check_max_new_tokens
-from specpass.backends.program import SpeculativeProgram
+from specpass.backends.program import DecodeProgram
 from specpass.backends.sampling import TargetChoice
 from specpass.drafters import expected_tokens
 from specpass.errors import CacheCapacityError, InvalidParameterError
@@ -100,7 +100,7 @@ def check_rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, cache_size
 
 
 def generate_rows(
-    program: SpeculativeProgram,
+    program: DecodeProgram,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
@@ -113,8 +113,7 @@ def generate_rows(
     choices: each row's target choice (default greedy); stop: called per row like decode.generate's;
     pad_token_id fills `sequences` (default: the model's, else its first EOS id, else 0).
     """
-    if len(prompts) > program.rows:
-        raise InvalidParameterError(f"{len(prompts)} prompts, but the program's cache holds {program.rows} rows")
+    program.check_rows(len(prompts))
     check_rows(prompts, max_new_tokens, program.cache_size, program.vocab_size)
     choices = choices if choices is not None else [TargetChoice()] * len(prompts)
     curve = program.cost_curve if program.budget == "cost" else None
@@ -157,7 +156,7 @@ def generate_rows(
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
 
     if pad_token_id is None:
-        pad_token_id = program.arch.pad_token_id
+        pad_token_id = program.pad_token_id
     if pad_token_id is None:
         pad_token_id = next(iter(eos_token_ids), 0)
     return BatchGeneration(
@@ -187,7 +186,7 @@ def with_new_tokens(inputs: torch.Tensor, new_tokens: Sequence[Sequence[int]], p
     return out
 
 
-def _prefill(program: SpeculativeProgram, seqs: list[SequenceState], top_k: int) -> None:
+def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> None:
     """Run every row's prompt as a chain in its own cache row, in forwards of at most PREFILL_TOKENS
     tokens over all rows; a row whose prompt is done runs one padding token meanwhile (at its next
     slot, not committed). Then each row chooses its first token and opens its drafter sessions."""
@@ -205,12 +204,13 @@ def _prefill(program: SpeculativeProgram, seqs: list[SequenceState], top_k: int)
                   for s, n in zip(seqs, counts)]  # fmt: skip
         logits, hidden = program.forward_rows(layout.pad_tokens(pieces), layout)  # [B, T, V], [B, T, H]
         topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]
+        committed = program.commit_rows(layout, [range(max(n, 0)) for n in counts])  # in place: nothing moves
         for b, (s, n) in enumerate(zip(seqs, counts)):
             if n > 0:
                 topks[b].append(topk[b, :n])
                 hiddens[b].append(hidden[b, :n])
                 last[b] = logits[b, n - 1 : n]  # [1, V]
-                s.cursor.cached += n
+                s.cursor.cached = committed[b]
                 s.cursor.seen += n
         done += piece
     for b, s in enumerate(seqs):
@@ -226,7 +226,7 @@ def _shared_size(curve, trees, overhead: float) -> int:
     return curve.best_size(summed, overhead)
 
 
-def _retire(program: SpeculativeProgram, live: list[SequenceState]) -> list[SequenceState]:
+def _retire(program: DecodeProgram, live: list[SequenceState]) -> list[SequenceState]:
     """The live rows that have not finished; their caches move up over the finished rows' cache rows."""
     keep = [i for i, s in enumerate(live) if s.finish is None]
     if len(keep) < len(live) and keep:

@@ -1,11 +1,18 @@
-"""CUDA-graph lowering: one captured graph per (tree-size, attended-length) bucket, replayed per step.
+"""CUDA-graph lowering: one captured graph per (rows, tree-size, attended-length) bucket, replayed per step.
 
-Inputs are copied into static buffers padded to the bucket (`backends.buckets.pad_step`): padded
-tree nodes see only themselves and write their K/V into slots past the real tree (never read), and
+Inputs are copied into static buffers padded to the bucket (`ir.layout.RowsLayout.step_inputs` with a
+size and a row count): padded tree nodes see only themselves and write their K/V into slots past
+their row's real tree (never read), padded rows write into cache rows no live sequence uses, and
 padded key columns are hidden by the mask, so the real nodes' logits equal the eager step's. Buckets
 come from the step's slot layout, built on the host: nothing is read back from the device.
 
-Host work is the floor of a replayed step (an H100 replays SmolLM2-135M's inductor step in 1.7 ms):
+Buckets. T rounds up to a power of two, the attended length to a multiple of KV_BUCKET
+(backends.buckets), and the rows of a batched step (backends.batch_decode) to a power of two capped at
+the rows the cache holds: a batch whose rows finish one by one replays at most log2(B) + 1 row
+buckets instead of capturing one graph per live-row count. A one-sequence program's steps are one
+row, as before.
+
+Host work is the floor of a replayed step (an H100 replays SmolLM2-135M's inductor step in 1.2 ms):
 given host-side token ids and layout (what the decode loop passes), the padding runs on the host
 and reaches the device as one copy per input; device-side inputs are padded on the device.
 """
@@ -14,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from specpass.backends.buckets import kv_bucket, pad_step, tree_bucket
-from specpass.ir.layout import SlotLayout
+from specpass.backends.buckets import kv_bucket, tree_bucket
+from specpass.ir.layout import RowsLayout, SlotLayout
 
 
 class CudaGraphStep:
@@ -28,15 +35,18 @@ class CudaGraphStep:
         self.input_names = eager.input_names
         self.max_nodes = max_nodes
         self.cache_size = cache_size
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
+        self.cache_rows = eager.gm.k_cache.shape[1]  # [L, rows, KV, S, D]: sequences the cache holds
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self.pool = None
 
-    def _bucket(self, layout: SlotLayout) -> tuple[int, int] | None:
+    def _bucket(self, layout: RowsLayout) -> tuple[int, int, int] | None:
+        """(rows, tokens, attended slots) of the graph that replays `layout`, None to run it eagerly."""
         tb = max(tree_bucket(layout.size), self.eager.min_tokens)
-        sb = kv_bucket(layout.committed + tb, self.cache_size)
-        if tb > max(tree_bucket(self.max_nodes), self.eager.min_tokens) or layout.committed + tb > self.cache_size:
+        committed = max(row.committed for row in layout.rows)
+        if tb > max(tree_bucket(self.max_nodes), self.eager.min_tokens) or committed + tb > self.cache_size:
             return None
-        return tb, sb
+        rb = min(max(tree_bucket(len(layout.rows)), self.eager.min_rows), self.cache_rows)
+        return rb, tb, kv_bucket(committed + tb, self.cache_size)
 
     def _capture(self, static: dict):
         """Warm up and capture with `static` already holding this step's real (padded) inputs, so the
@@ -54,14 +64,14 @@ class CudaGraphStep:
         return graph, outputs
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout):
-        bucket = self._bucket(layout)
+    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout | RowsLayout):
+        rows = layout if isinstance(layout, RowsLayout) else RowsLayout((layout,))
+        bucket = self._bucket(rows)
         if bucket is None:  # a prompt, or too close to the end of the cache to pad: run eagerly
             return self.eager(input_ids, layout)
-        tb, sb = bucket
-        ids, positions, padded = pad_step(input_ids, layout, tb)
-        inputs = {name: value for name, value in padded.step_inputs(ids).items() if name in self.input_names}
-        inputs["positions"] = positions
+        rb, tb, sb = bucket
+        padded = rows.step_inputs(input_ids, size=tb, batch=rb)
+        inputs = {name: value for name, value in padded.items() if name in self.input_names}
         inputs["kv_len"] = sb  # the bucket's attended length: slots past the tree are hidden by the mask
         if bucket in self.graphs:
             graph, static, outputs = self.graphs[bucket]
@@ -74,5 +84,4 @@ class CudaGraphStep:
             graph, outputs = self._capture(static)
             self.graphs[bucket] = graph, static, outputs
         graph.replay()
-        t = layout.size
-        return tuple(o[:, :t] for o in outputs)
+        return tuple(o[: len(rows.rows), : rows.size] for o in outputs)

@@ -42,6 +42,7 @@ class InductorStep(EagerStep):
     # one-token calls get their own specialisation (a second compile of a minute or more), and a
     # two-row step costs a GPU what a one-row step does: replayed buckets start at two tokens
     min_tokens = 2
+    min_rows = 2  # the same for rows: a batch down to its last live row still replays two (capped at the cache's rows)
 
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(inplace_cache_writes(gm), kind="inductor")

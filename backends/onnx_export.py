@@ -5,7 +5,7 @@ Pipeline: capture -> the pipeline's passes (verified after each) -> KV as inputs
 
 Why the dynamo exporter: it exports from `torch.export`'s graph of the very FX module the passes
 produced, so the ONNX graph is the rewritten step itself (tree mask inputs, KV outputs, draft
-outputs), with dynamic tree size T and cache length S as symbolic dimensions. The TorchScript
+outputs), with the batch B, tree size T and cache length S as symbolic dimensions. The TorchScript
 exporter would re-trace through Python and is deprecated. The exporter's onnxscript optimizer is
 off (`optimize=False`): ORT optimizes the graph itself when it opens a session, and on the default
 model (2-core EPYC) the optimizer doubled the export (113.6 s against 57.5) for the same ORT step
@@ -91,18 +91,20 @@ def _shapes(arch: ArchSpec, batch: int, t: int, s: int) -> dict[str, tuple]:
     }  # fmt: skip
 
 
-def _sample(arch: ArchSpec, dtype: torch.dtype, t: int, s: int, tokens: list[int] | None = None) -> dict:
-    """Inputs for T tokens over S cached slots: a chain after a visible prefix (export traces these)."""
+def _sample(arch: ArchSpec, dtype: torch.dtype, t: int, s: int, tokens: list[int] | None = None,
+            batch: int = 1) -> dict:  # fmt: skip
+    """Inputs for `batch` rows of T tokens over S cached slots: a chain after a visible prefix (export
+    traces these)."""
     gen = torch.Generator().manual_seed(0)
-    shapes = _shapes(arch, 1, t, s)
-    ids = torch.tensor([tokens]) if tokens is not None else torch.randint(0, arch.vocab_size, (1, t), generator=gen)
+    shapes = _shapes(arch, batch, t, s)
+    ids = torch.tensor([tokens]) if tokens is not None else torch.randint(0, arch.vocab_size, (batch, t), generator=gen)
     return {
         "input_ids": ids,
-        "positions": torch.arange(s, s + t)[None],
+        "positions": torch.arange(s, s + t).expand(batch, t),
         "past_keys": torch.randn(shapes["past_keys"], generator=gen).to(dtype),
         "past_values": torch.randn(shapes["past_values"], generator=gen).to(dtype),
         "past_mask": torch.ones(shapes["past_mask"], dtype=torch.bool),
-        "tree_mask": torch.ones(t, t, dtype=torch.bool).tril()[None],
+        "tree_mask": torch.ones(t, t, dtype=torch.bool).tril().expand(batch, t, t),
     }
 
 
@@ -184,12 +186,15 @@ def export(
 
 
 def _torch_export(step: torch.fx.GraphModule, arch: ArchSpec, dtype: torch.dtype):
+    """B (rows), T and S symbolic. The sample has two rows: torch.export specialises a dimension it
+    sees with size 1, and ORT then refuses every other batch size."""
+    b = torch.export.Dim("B", min=1, max=1024)
     t, s = torch.export.Dim("T", min=1, max=4096), torch.export.Dim("S", min=1, max=1 << 20)
     dynamic = {
-        "input_ids": {1: t}, "positions": {1: t}, "past_keys": {3: s}, "past_values": {3: s},
-        "past_mask": {1: t, 2: s}, "tree_mask": {1: t, 2: t},
+        "input_ids": {0: b, 1: t}, "positions": {0: b, 1: t}, "past_keys": {1: b, 3: s}, "past_values": {1: b, 3: s},
+        "past_mask": {0: b, 1: t, 2: s}, "tree_mask": {0: b, 1: t, 2: t},
     }  # fmt: skip
-    sample = _sample(arch, dtype, t=4, s=8)
+    sample = {name: value.contiguous() for name, value in _sample(arch, dtype, t=4, s=8, batch=2).items()}
     try:
         with _quiet_exporter():
             return torch.onnx.export(
@@ -270,7 +275,7 @@ def check_onnx(onnx_path: str, step: torch.fx.GraphModule, arch: ArchSpec, dtype
 
 def _manifest(step: torch.fx.GraphModule, dtype, pipeline: Pipeline, model_name: str, external: bool, diffs) -> dict:
     arch = arch_of(step)
-    shapes = _shapes(arch, 1, "T", "S")
+    shapes = _shapes(arch, "B", "T", "S")
     dtypes = {"input_ids": "int64", "positions": "int64", "past_mask": "bool", "tree_mask": "bool"}
 
     def io_entry(name: str) -> dict:
@@ -289,6 +294,7 @@ def _manifest(step: torch.fx.GraphModule, dtype, pipeline: Pipeline, model_name:
         "hidden_size": arch.hidden_size,
         "vocab_size": arch.vocab_size,
         "eos_token_ids": list(arch.eos_token_ids),
+        "pad_token_id": arch.pad_token_id,
         "pipeline": pipeline.to_dict(),
         "exporter": f"torch.onnx.export(dynamo=True), torch {torch.__version__}",
         "external_data": external,

@@ -1,8 +1,8 @@
 """ONNX Runtime lowering: the decode loop drives a step exported by `specpass export` on an ORT session.
 
-KV cache. Two torch tensors [L, 1, KV, S, D] (on the CPU, or on the GPU with the CUDA EP) are the
-step's `past_keys` / `past_values` inputs as they are: slots at and past the committed length are
-hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in buckets of KV_BUCKET
+KV cache. Two torch tensors [L, B, KV, S, D] (on the CPU, or on the GPU with the CUDA EP) are the
+step's `past_keys` / `past_values` inputs as they are: in row b, slots at and past that row's
+committed length are hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in buckets of KV_BUCKET
 slots (the buffer is reallocated and copied when the committed prefix outgrows it), so the step
 attends over at most KV_BUCKET - 1 spare slots.
 After a verify step `commit` copies the accepted path's entries of `new_keys` / `new_values` into
@@ -16,6 +16,14 @@ device and is never copied between steps. With `cuda_graphs=True` on the CUDA EP
 output lives in a static buffer per (tree-size bucket, cache bucket), the tree padded by the
 PyTorch CUDA-graph lowering's own helper (`backends.buckets`), and ORT captures one CUDA graph per
 bucket (`gpu_graph_id`).
+
+Batches (`rows` > 1, backends.batch_decode). The export takes B as a dynamic axis; row b of the cache
+buffers is sequence b, laid out as alone (per-row offsets, as in the PyTorch lowering), and each row
+commits its own path. The buffers hold exactly the live rows, so IOBinding binds them as they are:
+when rows finish, `keep_rows` gathers the live ones into new, smaller buffers (once per finishing
+row, not per step), and the next batch's prefill allocates `rows` rows again. Not with
+`cuda_graphs=True` (its buckets are one row) nor with an evicting export (its policy graphs score one
+sequence): both are refused for rows > 1.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from specpass.backends.ort import bind, ort_session, read_manifest, run_bound
 from specpass.backends.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
-from specpass.ir.layout import SlotLayout
+from specpass.ir.layout import RowsLayout, SlotLayout
 from specpass.passes import Pipeline
 from specpass.rewrites.kv_eviction import KVEviction
 
@@ -53,12 +61,14 @@ class OrtProgram(DecodeProgram):
         max_nodes: int | None = None,
         budget: str | int = "cost",
         cuda_graphs: bool = False,
+        rows: int = 1,
     ):
         """directory: a `specpass export` output; drafter: default prompt lookup + token recycling;
-        device: cpu (CPU EP) or cuda (CUDA EP); cache_size: KV slots (default 2048; an evicting
-        export's is its budget, fixed at export); max_nodes: cap on the tree
+        device: cpu (CPU EP) or cuda (CUDA EP); cache_size: KV slots per sequence (default 2048; an
+        evicting export's is its budget, fixed at export); max_nodes: cap on the tree
         size (default: the exported TreeAttention's max_nodes; 1 is plain greedy decoding); budget:
-        "cost" or a fixed node count, as in CompileOptions."""
+        "cost" or a fixed node count, as in CompileOptions; rows: the most sequences one `generate`
+        call decodes together (a batch: input_ids [B, P] with B <= rows)."""
         super().__init__(drafter if drafter is not None else default_drafter(), budget)
         if cache_size is not None and (not isinstance(cache_size, int) or cache_size < 2):
             raise InvalidParameterError(f"cache_size must be an int >= 2, got {cache_size!r}")
@@ -80,37 +90,46 @@ class OrtProgram(DecodeProgram):
         if cuda_graphs and self.device.type != "cuda":
             raise InvalidParameterError("cuda_graphs needs device='cuda'")
         self.cuda_graphs = cuda_graphs
+        if not isinstance(rows, int) or rows < 1:
+            raise InvalidParameterError(f"rows must be an int >= 1, got {rows!r}")
+        if rows > 1:
+            _check_batched_export(self.manifest, directory, policy, cuda_graphs)
+        self.rows = rows
         self.session = ort_session(os.path.join(directory, "model.onnx"), self.device, cuda_graphs)
         self.cache_size = cache_size or (policy.budget if policy is not None else 2048)
         self.eos_token_ids = tuple(self.manifest["eos_token_ids"])
         self.vocab_size = int(self.manifest["vocab_size"])
+        self.pad_token_id = self.manifest.get("pad_token_id")
         self.dtype = _TORCH[self.manifest["dtype"]]
         if "draft" in self.manifest:
             self.draft = OrtDraft(directory, self.manifest["draft"], self.device, self.dtype)
         m = self.manifest
-        self._kv_shape = (m["num_layers"], 1, m["num_kv_heads"], m["head_dim"])
+        self._kv_shape = (m["num_layers"], m["num_kv_heads"], m["head_dim"])
         slots = KV_BUCKET if policy is None else policy.budget  # an evicting cache never grows
-        self.keys = self._zeros_cache(slots)  # [L, 1, KV, S, D]
-        self.values = self._zeros_cache(slots)
+        self.keys = self._zeros_cache(1, slots)  # [L, B, KV, S, D]: B live rows
+        self.values = self._zeros_cache(1, slots)
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.queries: torch.Tensor | None = None  # [L, 1, H, T, D]: the last step's, when the export evicts
         if policy is not None:
             self.evict_with(OrtEviction(self, directory, m["eviction"], policy))
         self._graphs: dict[tuple[int, int], tuple] = {}  # CUDA graphs: bucket -> (inputs, outputs, binding)
 
-    def _zeros_cache(self, slots: int) -> torch.Tensor:
-        layers, batch, heads, dim = self._kv_shape
-        return torch.zeros(layers, batch, heads, slots, dim, dtype=self.dtype, device=self.device)
+    def _zeros_cache(self, rows: int, slots: int) -> torch.Tensor:
+        layers, heads, dim = self._kv_shape
+        return torch.zeros(layers, rows, heads, slots, dim, dtype=self.dtype, device=self.device)
 
-    def _reserve(self, slots: int) -> None:
-        """Grow the cache buffers to hold `slots` slots (a multiple of KV_BUCKET)."""
-        have = self.keys.shape[3]
+    def _reserve(self, rows: int, slots: int) -> None:
+        """Make the cache buffers `rows` rows (a new batch: the rows' contents are not kept) of at least
+        `slots` slots (grown to a multiple of KV_BUCKET, the committed slots kept)."""
+        have_rows, have = self.keys.shape[1], self.keys.shape[3]
+        if have_rows != rows:
+            self.keys, self.values = self._zeros_cache(rows, have), self._zeros_cache(rows, have)
         if slots <= have or self.eviction is not None:  # room() keeps an evicting step inside its budget
             return
         grown = kv_bucket(slots)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = self._zeros_cache(grown)
+            new = self._zeros_cache(rows, grown)
             new[:, :, :, :have] = old
             setattr(self, name, new)
 
@@ -121,9 +140,40 @@ class OrtProgram(DecodeProgram):
             "past_mask": layout.prefix_mask(self.keys.shape[3])[None], "tree_mask": layout.ancestors[None],
         }  # fmt: skip
 
+    def forward_rows(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = len(layout.rows)
+        self.check_rows(batch)
+        tokens, layout = tokens.to(self.device), layout.to(self.device)
+        self._reserve(batch, max(row.committed for row in layout.rows) + 1)
+        step = layout.step_inputs(tokens)
+        slots = torch.arange(self.keys.shape[3], device=self.device)  # [S]
+        committed = torch.tensor([row.committed for row in layout.rows], device=self.device)  # [B]
+        past_mask = (slots[None, :] < committed[:, None])[:, None, :].expand(batch, layout.size, -1)  # [B, T, S]
+        inputs = {"input_ids": tokens, "positions": step["positions"], "past_keys": self.keys,
+                  "past_values": self.values, "past_mask": past_mask, "tree_mask": step["tree_mask"]}  # fmt: skip
+        outputs = self._run(inputs, layout.size)
+        self._new = (outputs["new_keys"], outputs["new_values"])
+        return outputs["logits"], outputs["hidden"]
+
+    def commit_rows(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+        if self._new is None:
+            raise SpecpassError("commit before any forward")
+        self._reserve(len(layout.rows), max(row.committed + len(p) for row, p in zip(layout.rows, paths)))
+        for b, (row, path) in enumerate(zip(layout.rows, paths, strict=True)):
+            if not path:
+                continue
+            nodes = torch.tensor(list(path), device=self.device)
+            for cache, new in zip((self.keys, self.values), self._new):  # new: [L, B, KV, T, D]
+                cache[:, b, :, row.committed : row.committed + len(path)] = new[:, b].index_select(2, nodes)
+        return [row.committed + len(path) for row, path in zip(layout.rows, paths)]
+
+    def keep_rows(self, keep: Sequence[int], slots: int) -> None:
+        index = torch.tensor(list(keep), device=self.device)
+        self.keys, self.values = self.keys.index_select(1, index), self.values.index_select(1, index)
+
     def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, layout = tokens.to(self.device), layout.to(self.device)
-        self._reserve(layout.committed + 1)
+        self._reserve(1, layout.committed + 1)
         if self.cuda_graphs:
             outputs = self._run_graph(tokens[None], layout)
         else:
@@ -136,7 +186,7 @@ class OrtProgram(DecodeProgram):
         if self._new is None:
             raise SpecpassError("commit before any forward")
         start = layout.committed
-        self._reserve(start + len(path))
+        self._reserve(1, start + len(path))
         nodes = torch.tensor(list(path), device=self.device)
         for cache, new in zip((self.keys, self.values), self._new):
             cache[:, :, :, start : start + len(path)] = new.index_select(3, nodes)
@@ -148,7 +198,7 @@ class OrtProgram(DecodeProgram):
         return self.keys, self.values
 
     def _outputs(self, t: int) -> dict[str, torch.Tensor]:
-        layers, batch, heads, dim = self._kv_shape
+        (layers, heads, dim), batch = self._kv_shape, self.keys.shape[1]
         m, kw = self.manifest, {"dtype": self.dtype, "device": self.device}
         outputs = {
             "logits": torch.empty(batch, t, m["vocab_size"], **kw),
@@ -188,3 +238,16 @@ class OrtProgram(DecodeProgram):
         t = layout.size
         per_layer = (*KV_OUTPUTS, QUERIES_OUTPUT)  # [L, B, heads, T, D]
         return {name: value[:, :, :, :t] if name in per_layer else value[:, :t] for name, value in outputs.items()}
+
+
+def _check_batched_export(manifest: dict, directory: str, policy, cuda_graphs: bool) -> None:
+    """Refuse rows > 1 where the export or the options cannot run a batch (module docstring)."""
+    if manifest["inputs"][0]["shape"][0] != "B":
+        raise InvalidParameterError(f"{directory} was exported for one sequence (batch 1 is fixed in its graph); "
+                                    "export it again with this specpass version to run batches (rows > 1)")  # fmt: skip
+    if policy is not None:
+        raise InvalidParameterError(f"rows > 1 does not run with KV eviction ({policy.name}): its policy graphs score "
+                                    "one sequence; generate those one sequence at a time")  # fmt: skip
+    if cuda_graphs:
+        raise InvalidParameterError("rows > 1 does not run with cuda_graphs=True (its graphs are captured for one "
+                                    "row); use cuda_graphs=False for batches")  # fmt: skip

@@ -83,6 +83,8 @@ class DecodeProgram(ABC):
         self.drafter_memory = drafter.new_memory()
         self._cost: cost.CostCurve | None = None
 
+    rows = 1  # sequences the program's cache holds (batched decoding, backends.batch_decode)
+    pad_token_id: int | None = None  # the model's pad token, when it has one (a batch's output padding)
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
     max_step: int | None = None  # evicting programs: the most tokens a forward takes (None: the cache's room)
     eviction: Eviction | None = None  # evicting programs: the policy run after each commit
@@ -98,6 +100,36 @@ class DecodeProgram(ABC):
         """Run tokens [T] int64 laid out by `layout` (its ancestor mask is a chain's when the program
         does not verify trees); returns logits [T, V], hidden [T, H] on the program's device. Tokens
         and layout may be on the host (what the decode loop passes) or on that device."""
+
+    def forward_rows(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of several rows' steps: tokens [B, T] (layout.pad_tokens) -> logits [B, T, V],
+        hidden [B, T, H] (padding positions' outputs are meaningless). Programs of several rows."""
+        raise NotImplementedError(f"{type(self).__name__} runs one sequence")
+
+    def commit_rows(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+        """Keep each row's accepted path (node indices, root first) in consecutive slots of its own cache
+        row; the other rows' caches are not touched. Returns each row's committed length."""
+        raise NotImplementedError(f"{type(self).__name__} runs one sequence")
+
+    def keep_rows(self, keep: Sequence[int], slots: int) -> None:
+        """Move the cache rows `keep` (ascending) to rows 0, 1, ... (their first `slots` slots): what
+        the next forwards of len(keep) rows read, once the other rows' sequences ended."""
+        raise NotImplementedError(f"{type(self).__name__} runs one sequence")
+
+    def check_rows(self, rows: int) -> None:
+        """Raise InvalidParameterError when a batch of `rows` sequences cannot run on this program."""
+        if rows > self.rows:
+            raise InvalidParameterError(
+                f"batch size {rows}: this {type(self).__name__} holds {self.rows} sequence(s); build it with "
+                f"rows >= {rows} (specpass.compile_program(model, options, rows=...), load_onnx(directory, rows=...))"
+            )
+
+    def measured_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward a cost curve times: every row of the program running `layout`'s step."""
+        if self.rows == 1:
+            return self.forward(tokens, layout)
+        logits, hidden = self.forward_rows(tokens[None].expand(self.rows, -1), RowsLayout((layout,) * self.rows))
+        return logits[0], hidden[0]
 
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify tokens whose layers below the early exit already ran in their slots (their states after
@@ -155,7 +187,7 @@ class DecodeProgram(ABC):
         return self._cost
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
-        return cost.measure(self.forward, self.device, sizes, kv_len=kv_len)
+        return cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
 
 
 class SpeculativeProgram(DecodeProgram):
@@ -164,8 +196,9 @@ class SpeculativeProgram(DecodeProgram):
     rows: how many sequences its cache holds (batched decoding, backends.batch_decode). A program of
     several rows verifies every row's tree in one forward (`forward_rows`), commits each row's path in
     its own cache row (`commit_rows`) and measures its cost curve on forwards of all its rows, T tokens
-    each. It runs on the eager and oneDNN lowerings, without a cache-sharing draft graph (early exit,
-    layer skip), KV eviction or tensor parallelism; other combinations are refused with the reason.
+    each. It runs on the eager, oneDNN, inductor and CUDA-graph lowerings (the replayed graphs are
+    bucketed by rows too, backends.cudagraphs), without the GGUF kernels, a cache-sharing draft graph
+    (early exit, layer skip), KV eviction or tensor parallelism; those are refused with the reason.
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions, rows: int = 1):
@@ -177,6 +210,7 @@ class SpeculativeProgram(DecodeProgram):
         self.arch = self.step.arch
         self.eos_token_ids = self.arch.eos_token_ids
         self.vocab_size = self.arch.vocab_size
+        self.pad_token_id = self.arch.pad_token_id
         self.report = self.step.report
         gm = self.step.graph_module
         self.k_cache, self.v_cache = gm.k_cache, gm.v_cache
@@ -199,9 +233,10 @@ class SpeculativeProgram(DecodeProgram):
         run = self.step.run
         kinds = set(getattr(run, "kinds", None) or (getattr(run, "kind", type(run).__name__),))
         reasons = []
-        if not kinds <= {"eager", "onednn"}:
-            reasons.append(f"the {'/'.join(sorted(kinds - {'eager', 'onednn'}))} lowering (use lowering='eager', "
-                           "'onednn', or 'auto' on a CPU)")  # fmt: skip
+        batched = {"eager", "onednn", "inductor", "cudagraphs"}
+        if not kinds <= batched:
+            reasons.append(f"the {'/'.join(sorted(kinds - batched))} lowering (use lowering='auto', or one of "
+                           f"{', '.join(sorted(batched))})")  # fmt: skip
         if self.resumes_from_exit:
             reasons.append("a self-speculation draft graph (EarlyExit / LayerSkip: it writes the cache of one row)")
         if self.evicts:
@@ -213,16 +248,11 @@ class SpeculativeProgram(DecodeProgram):
                                         f"{'; '.join(reasons)}; generate those one sequence at a time")  # fmt: skip
 
     def forward_rows(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of several rows' steps: tokens [B, T] (layout.pad_tokens) -> logits [B, T, V],
-        hidden [B, T, H] (padding positions' outputs are meaningless)."""
-        if len(layout.rows) > self.rows:
-            raise InvalidParameterError(f"{len(layout.rows)} rows, but the program's cache holds {self.rows}")
+        self.check_rows(len(layout.rows))
         logits, hidden = self.step(tokens, layout)[:2]
         return logits, hidden
 
     def commit_rows(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
-        """Keep each row's accepted path (node indices, root first) in consecutive slots of its own cache
-        row; the other rows' caches are not touched. Returns each row's committed length."""
         rows, src, dst = layout.moves(paths)
         if src:
             index = [torch.tensor(x, device=self.device) for x in (rows, src, dst)]
@@ -230,8 +260,6 @@ class SpeculativeProgram(DecodeProgram):
         return [row.committed + len(path) for row, path in zip(layout.rows, paths)]
 
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
-        """Move the cache rows `keep` (ascending) to rows 0, 1, ... (their first `slots` slots): what
-        the next forwards of len(keep) rows read, once the other rows' sequences ended."""
         keep_rows(self.k_cache, self.v_cache, keep, slots)
 
     def agreed_size(self, size: int) -> int:
@@ -244,14 +272,6 @@ class SpeculativeProgram(DecodeProgram):
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = layout.to(self.device).step_inputs(exit_hidden[None]) | {EXIT_HIDDEN: exit_hidden[None]}  # [1, T, H]
         logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [1, T, V], [1, T, H]
-        return logits[0], hidden[0]
-
-    def measured_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward a cost curve times: every row of the program running `layout`'s step."""
-        if self.rows == 1:
-            return self.forward(tokens, layout)
-        both = RowsLayout((layout,) * self.rows)
-        logits, hidden = self.forward_rows(tokens[None].expand(self.rows, -1), both)
         return logits[0], hidden[0]
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:

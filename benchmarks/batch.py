@@ -2,6 +2,7 @@
 static cache + torch.compile batched, in the same run, code and chat prompts mixed in each batch.
 
     python benchmarks/batch.py [--prompts 4] [--batches 1 2 4 8] [--max-new-tokens 128] [--no-compile-baseline]
+        [--device cuda --dtype bfloat16 --lowering cudagraphs --max-batches 2 --no-alone-reference]
 
 The evaluation prompts (HumanEval[120:120+N] raw, chat summaries [0:N]) are interleaved code, chat,
 code, ... and cut into consecutive batches of B, so every B generates the same rows. HF's batches are
@@ -10,6 +11,11 @@ the attention mask. Per B: new tokens / wall seconds over all batches, tau (spec
 specpass rows differ from the row generated alone by HF greedy (float32: expected 0) and from HF's
 padded batch (padding changes HF's own rounding, so a rare flip there is HF's, reported as is).
 Writes benchmarks/results/batch-<device>.json and .png.
+
+On a GPU (`--device cuda`): HF's static-cache baseline is HF's own auto-compile (bench._compiled_forward);
+`--max-batches N` times at most N batches per B (the first N x B rows), so small B do not spend the
+lease on many sequential batches; `--no-alone-reference` skips generating every row alone (bf16 rows
+are compared with HF's padded batch only, where rounding differs anyway).
 """
 
 from __future__ import annotations
@@ -49,10 +55,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--no-compile-baseline", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--lowering", default="auto", help="specpass lowering (CompileOptions.lowering)")
+    parser.add_argument("--max-batches", type=int, default=None, help="timed batches per B (default: all rows)")
+    parser.add_argument("--no-alone-reference", action="store_true")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer = specpass.load_default_model()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model, tokenizer = specpass.load_default_model(dtype=dtype, device=device)
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])  # fmt: skip
     pad = model.generation_config.pad_token_id
@@ -61,7 +73,7 @@ def main() -> None:
     chat = [P.encode_chat(tokenizer, m) for m in P.chat_messages(args.prompts)]
     rows = [r for pair in zip(code, chat) for r in pair]  # code, chat, code, chat, ...
     new = args.max_new_tokens
-    compiled_forward = None if args.no_compile_baseline else bench._compiled_forward(model, torch.device("cpu"))
+    compiled_forward = None if args.no_compile_baseline else bench._compiled_forward(model, device)
 
     def hf(ids, mask, static: bool):
         kwargs, original = {}, model.forward
@@ -69,7 +81,7 @@ def main() -> None:
             from transformers import StaticCache
 
             kwargs[bench._cache_kwarg(model)] = StaticCache(config=model.config, max_cache_len=bench.STATIC_CACHE_LEN)
-            model.forward = compiled_forward
+            model.forward = compiled_forward or original  # None on a GPU: HF compiles a static-cache forward itself
         try:
             return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad,
                                   **kwargs)  # fmt: skip
@@ -80,12 +92,12 @@ def main() -> None:
     alone: list[list[int]] = []
     results = {}
     for b in args.batches:
-        batches = [rows[i : i + b] for i in range(0, len(rows), b)]
-        padded = [_padded(batch, pad) for batch in batches]
+        batches = [rows[i : i + b] for i in range(0, len(rows) - b + 1, b)][: args.max_batches]
+        padded = [tuple(t.to(device) for t in _padded(batch, pad)) for batch in batches]
         runners = {"hf_batched_greedy": lambda ids, mask: hf(ids, mask, static=False)}
-        if compiled_forward is not None:
+        if not args.no_compile_baseline:
             runners["hf_static_compile_batched"] = lambda ids, mask: hf(ids, mask, static=True)
-        program = specpass.compile_program(model, rows=b)
+        program = specpass.compile_program(model, {"lowering": args.lowering}, rows=b)
         program.cost_curve  # measured before timing
         runners["specpass_batched"] = lambda ids, mask: specpass.generate(program, ids, new, attention_mask=mask)
         ids, mask = padded[0]
@@ -96,8 +108,10 @@ def main() -> None:
         totals = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "rows": []} for name in runners}
         for ids, mask in padded:  # the runners take turns on each batch: a slow spell hits them alike
             for name, run in runners.items():
+                bench._sync(device)
                 t0 = time.perf_counter()
                 out = run(ids, mask)
+                bench._sync(device)
                 totals[name]["seconds"] += time.perf_counter() - t0
                 if name == "specpass_batched":
                     got = [list(t) for t in out.new_tokens] if b > 1 else [out.sequences[0, ids.shape[1] :].tolist()]
@@ -106,14 +120,15 @@ def main() -> None:
                     got = _new_tokens(out, ids.shape[1], eos, pad)
                 totals[name]["tokens"] += sum(len(g) for g in got)
                 totals[name]["rows"] += got
-        if not alone:
-            alone = [model.generate(r, max_new_tokens=new, do_sample=False)[0, r.shape[1] :].tolist() for r in rows] \
-                if b != 1 else totals["hf_batched_greedy"]["rows"]  # fmt: skip
+        if not alone and not args.no_alone_reference:
+            alone = [model.generate(r.to(device), max_new_tokens=new, do_sample=False)[0, r.shape[1] :].tolist()
+                     for r in rows] if b != 1 or len(batches) < len(rows) else totals["hf_batched_greedy"]["rows"]  # fmt: skip
         line = {}
         for name, t in totals.items():
-            line[name] = {"tokens": t["tokens"], "seconds": round(t["seconds"], 3),
-                          "tokens_per_second": round(t["tokens"] / t["seconds"], 2),
-                          "rows_differing_from_hf_greedy_alone": sum(g != a for g, a in zip(t["rows"], alone))}  # fmt: skip
+            line[name] = {"rows": len(t["rows"]), "tokens": t["tokens"], "seconds": round(t["seconds"], 3),
+                          "tokens_per_second": round(t["tokens"] / t["seconds"], 2)}  # fmt: skip
+            if alone:
+                line[name]["rows_differing_from_hf_greedy_alone"] = sum(g != a for g, a in zip(t["rows"], alone))
         hf_rows = totals["hf_batched_greedy"]["rows"]
         line["specpass_batched"] |= {
             "tau": round(totals["specpass_batched"]["tokens"] / totals["specpass_batched"]["forwards"], 3),
@@ -127,7 +142,9 @@ def main() -> None:
                                      for k, v in line.items()), flush=True)  # fmt: skip
 
     report = {
-        **bench.run_identity(torch.device("cpu")),
+        **bench.run_identity(device),
+        "dtype": args.dtype,
+        "lowering": args.lowering,
         **bench.evaluation_sets(args.prompts, new),
         "rows": "code and chat interleaved, cut into consecutive batches of B (the same rows for every B)",
         "drafter": "default (Combined(PromptLookup(), TokenRecycling())), budget 'cost'",
@@ -153,7 +170,7 @@ def _plot(report: dict, path: str) -> None:
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size B")
     ax.set_ylabel("new tokens / s (all rows)")
-    ax.set_title(f"Batched decoding, SmolLM2-135M float32\n{report['device']}", fontsize=9)
+    ax.set_title(f"Batched decoding, SmolLM2-135M {report['dtype']}\n{report['device']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

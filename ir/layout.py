@@ -168,18 +168,30 @@ class RowsLayout:
             ids[b, : row_tokens.shape[0]] = row_tokens
         return ids
 
-    def step_inputs(self, input_ids: torch.Tensor) -> dict:
-        """The static-cache step's inputs for `input_ids` [B, T] (each row's tokens, padded)."""
-        t = self.size
-        ancestors = torch.eye(t, dtype=torch.bool, device=self.device).repeat(len(self.rows), 1, 1)  # [B, T, T]
-        slots = torch.arange(t, device=self.device).repeat(len(self.rows), 1)  # [B, T]
+    def step_inputs(self, input_ids: torch.Tensor, size: int | None = None, batch: int | None = None) -> dict:
+        """The static-cache step's inputs for `input_ids` [B, T] (each row's tokens, padded), padded
+        further to `size` tokens a row and `batch` rows when given (a graph-replay bucket,
+        backends.cudagraphs): padding nodes as in the class docstring, and a padding row b >= B is
+        `size` nodes each seeing only itself in slots 0 .. size - 1 of cache row b, a row no live
+        sequence uses (the batched loop keeps its live rows first, SpeculativeProgram.keep_rows)."""
+        live, t = len(self.rows), self.size if size is None else size
+        batch = live if batch is None else batch
+        if t < self.size or batch < live:
+            raise ValueError(f"cannot pad a step of {live} rows x {self.size} tokens to {batch} x {t}")
+        if tuple(input_ids.shape) != (batch, t):
+            ids = torch.zeros(batch, t, dtype=input_ids.dtype, device=input_ids.device)
+            ids[:live, : input_ids.shape[1]] = input_ids
+            input_ids = ids
+        ancestors = torch.eye(t, dtype=torch.bool, device=self.device).repeat(batch, 1, 1)  # [B, T, T]
+        slots = torch.arange(t, device=self.device).repeat(batch, 1)  # [B, T]
         positions = slots.clone()  # [B, T]
         for b, row in enumerate(self.rows):
             ancestors[b, : row.size, : row.size] = row.ancestors
             positions[b] += row.evicted + row.committed  # padding node k: the row's next position + k
             positions[b, : row.size] = row.positions()
             slots[b] += row.committed
-        return {"input_ids": input_ids, "positions": positions, "kv_len": self.kv_len,
+        kv_len = max(row.committed for row in self.rows) + t
+        return {"input_ids": input_ids, "positions": positions, "kv_len": kv_len,
                 "tree_mask": ancestors, "cache_slots": slots}  # fmt: skip
 
     def moves(self, paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:

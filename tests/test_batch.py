@@ -248,7 +248,7 @@ def test_batch_requests_are_clear_errors():
         kwargs = {"max_new_tokens": 4} | kwargs
         with pytest.raises(InvalidParameterError, match=message):
             specpass.generate(model, ids, **kwargs)
-    with pytest.raises(InvalidParameterError, match="holds 2 rows"):
+    with pytest.raises(InvalidParameterError, match="holds 2 sequence"):
         generate_rows(_program(model, 2), [[1, 2], [3], [4]], max_new_tokens=2, eos_token_ids=[])
 
 
@@ -265,3 +265,44 @@ def test_sampled_rows_equal_each_row_sampled_alone():
         alone = specpass.generate(model, prompt, max_new_tokens=16, do_sample=True, temperature=0.7, seed=seed,
                                   eos_token_id=[], options=options)  # fmt: skip
         assert list(out.new_tokens[b]) == alone.sequences[0, prompt.shape[1] :].tolist()
+
+
+def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
+    """What the CUDA-graph lowerings replay for a batch (backends.cudagraphs), run on the CPU: two live
+    rows of a four-row cache padded to 8 tokens and 4 rows give the live rows' logits of the unpadded
+    step, write the live rows' real K/V as it does and touch no committed slot of a live row."""
+    model = tiny_model("llama")
+    program = _program(model, 4)
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 4)]
+    prefill = RowsLayout(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
+    program.forward_rows(prefill.pad_tokens(prompts), prefill)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    layout = RowsLayout((SlotLayout(7, tree), SlotLayout.chain(4, 2)))
+    tokens = layout.pad_tokens([torch.tensor([5, 6, 7]), torch.tensor([8, 9])])  # [2, 3]
+    committed = [program.k_cache[:, b, :, :n].clone() for b, n in enumerate((7, 4))]
+    expected, _ = program.forward_rows(tokens, layout)  # [2, 3, V]
+    real = [program.k_cache[:, 0, :, 7:10].clone(), program.k_cache[:, 1, :, 4:6].clone()]
+    inputs = layout.step_inputs(tokens, size=8, batch=4)
+    assert inputs["input_ids"].shape == (4, 8) and inputs["kv_len"] == 15
+    assert inputs["cache_slots"][2:].tolist() == [list(range(8))] * 2  # padding rows: dead cache rows' first slots
+    inputs["kv_len"] = 256  # a bucket's attended length: slots past each row's tree are hidden
+    got = program.step.run.run_graph(inputs)[0]  # [4, 8, V]
+    torch.testing.assert_close(got[0, :3], expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, :2], expected[1, :2], rtol=1e-5, atol=1e-5)
+    for b, n in enumerate((7, 4)):
+        assert torch.equal(program.k_cache[:, b, :, :n], committed[b])
+    torch.testing.assert_close(program.k_cache[:, 0, :, 7:10], real[0])
+    torch.testing.assert_close(program.k_cache[:, 1, :, 4:6], real[1])
+    with pytest.raises(ValueError, match="cannot pad"):
+        layout.step_inputs(tokens, size=2)
+
+
+def test_inductor_rows_equal_eager_rows():
+    """The inductor lowering (in-place per-row cache writes) decodes a batch as the eager step does."""
+    model = peaked_tiny_model()
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11, 8)]
+    eager = generate_rows(_program(model, 3, drafter=PromptLookup()), prompts, max_new_tokens=20, eos_token_ids=[])
+    inductor = _program(model, 3, drafter=PromptLookup(), lowering="inductor")
+    assert inductor.step.run.kind == "inductor"
+    out = generate_rows(inductor, prompts, max_new_tokens=20, eos_token_ids=[])
+    assert [list(t) for t in out.new_tokens] == [list(t) for t in eager.new_tokens]

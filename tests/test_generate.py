@@ -145,7 +145,7 @@ def test_bad_requests_are_clear_errors(default_model):
     for bad in (0, -1):
         with pytest.raises(specpass.InvalidParameterError, match="max_new_tokens must be a positive int"):
             specpass.generate(model, ids, max_new_tokens=bad)
-    with pytest.raises(specpass.InvalidParameterError, match="batch size 2: this SpeculativeProgram runs one sequence"):
+    with pytest.raises(specpass.InvalidParameterError, match="batch size 2: this SpeculativeProgram holds 1 sequence"):
         specpass.generate(specpass.compile_program(model), ids.repeat(2, 1), max_new_tokens=8)
     with pytest.raises(specpass.CacheCapacityError, match="KV cache holds 4"):
         specpass.generate(model, ids, max_new_tokens=8, options={"cache_size": 4})

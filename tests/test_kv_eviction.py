@@ -327,6 +327,8 @@ def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path):
     assert got.stats.tau > 1.0  # drafts were accepted across evictions
     assert program.keys.shape[3] == program.cache_size == policy.budget  # the cache never grew
     assert "output changes: KV eviction" in str(program.pipeline)  # the export's pipeline says it is lossy
+    with pytest.raises(specpass.InvalidParameterError, match="rows > 1 does not run with KV eviction"):
+        specpass.load_onnx(result.directory, rows=2)
     layers, _, kv, _, dim = program.keys.shape
     assert program.cache_bytes() == 2 * layers * kv * policy.budget * dim * 4 + program.eviction.state_bytes()
     with pytest.raises(InvalidParameterError, match=rf"evicts its KV cache to 32 slots \({cls.__name__}\).*=64"):

@@ -40,7 +40,7 @@ def test_export_round_trip(tiny_exports, arch):
     assert [i["name"] for i in manifest["inputs"]] == ["input_ids", "positions", "past_keys", "past_values",
                                                       "past_mask", "tree_mask"]  # fmt: skip
     head_dim = getattr(model.config, "head_dim", None) or 8  # 8 = hidden / heads where the config has no head_dim
-    assert manifest["inputs"][2]["shape"] == [2, 1, 2, "S", head_dim] and manifest["outputs"][0]["shape"] == [1, "T", 96]
+    assert manifest["inputs"][2]["shape"] == [2, "B", 2, "S", head_dim] and manifest["outputs"][0]["shape"] == ["B", "T", 96]
     assert specpass.Pipeline.from_dict(manifest["pipeline"]) == TREE
     assert result.max_abs_diff is not None and result.max_abs_diff < 1e-4  # ORT vs PyTorch, float32
     import onnx
@@ -114,6 +114,66 @@ def test_cache_grows_past_its_first_bucket(tiny_exports):
     assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None))
 
 
+def _left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.shape[-1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[-1] :], mask[b, width - p.shape[-1] :] = p.reshape(-1), 1
+    return ids, mask
+
+
+def test_ort_batch_equals_each_row_alone(tiny_exports):
+    """B as a dynamic axis of the export: a batch of 3 rows (different prompt lengths, one row ending
+    at an EOS, the others at the length limit, so the cache buffers shrink to the live rows) gives
+    each row's HF greedy tokens alone; the same program then runs one sequence and a new batch."""
+    model, result = tiny_exports["llama"]
+    program = specpass.load_onnx(result.directory, cache_size=200, rows=3)
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12, 4)]
+    prompts[1] = prompts[1].repeat(2)  # a repetitive row: prompt lookup drafts it
+
+    def alone(prompt, new=30):
+        ids = prompt[None]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    references = [alone(p) for p in prompts]
+    eos = next(t for t in references[0][3:] if t not in references[1] and t not in references[2])
+    ids, mask = _left_padded(prompts)
+    out = specpass.generate(program, ids, max_new_tokens=30, attention_mask=mask, eos_token_id=[eos])
+    expected = [references[0][: references[0].index(eos) + 1], references[1], references[2]]
+    assert [list(t) for t in out.new_tokens] == expected
+    assert [s.finish_reason for s in out.stats] == ["eos", "length", "length"]
+    assert program.keys.shape[1] < 3  # the rows that finished left the buffers
+    single = specpass.generate(program, prompts[2][None], max_new_tokens=30, eos_token_id=[])
+    assert single.sequences[0, len(prompts[2]) :].tolist() == references[2]
+    again = specpass.generate(program, ids[:2], max_new_tokens=30, attention_mask=mask[:2], eos_token_id=[])
+    assert [list(t) for t in again.new_tokens] == references[:2]
+    with pytest.raises(specpass.InvalidParameterError, match="holds 3 sequence"):
+        specpass.generate(program, torch.zeros(4, 3, dtype=torch.long), max_new_tokens=4)
+
+
+def test_ort_batch_refusals(tiny_exports, tmp_path):
+    """An export from before batches (batch 1 fixed in its manifest) and bad row counts: clear errors."""
+    _, result = tiny_exports["llama"]
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in os.listdir(result.directory):
+        os.symlink(os.path.join(result.directory, name), old / name)
+    manifest = json.load(open(os.path.join(result.directory, "manifest.json")))
+    for entry in manifest["inputs"] + manifest["outputs"]:
+        entry["shape"] = [1 if d == "B" else d for d in entry["shape"]]
+    os.unlink(old / "manifest.json")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(specpass.InvalidParameterError, match="exported for one sequence"):
+        specpass.load_onnx(str(old), rows=2)
+    assert specpass.load_onnx(str(old)).rows == 1  # one sequence still runs on it
+    for bad in (0, 2.5):
+        with pytest.raises(specpass.InvalidParameterError, match="rows must be an int"):
+            specpass.load_onnx(result.directory, rows=bad)
+
+
 class _Unexportable(Pass):
     def check(self, gm):
         return None
@@ -165,6 +225,20 @@ def test_default_model_on_ort_equals_hf_greedy(default_export, cases, drafter):
     for ids, reference in cases:
         out = specpass.generate(program, ids, max_new_tokens=128)
         assert torch.equal(out.sequences, reference)
+
+
+def test_default_model_batch_on_ort_equals_hf_greedy_alone(default_export, cases):
+    """The default model's export (with Hydra heads) decoding the four cases as one batch, drafting with
+    heads, prompt lookup and Token Recycling: rows end at EOS after 103, 46 and 74 tokens and at the
+    length limit, each row equal to HF greedy of its prompt alone."""
+    from specpass.drafters.registry import drafter_by_name
+
+    program = specpass.load_onnx(default_export, drafter=drafter_by_name("heads-combined"), rows=4)
+    ids, mask = _left_padded([c[0] for c in cases], pad=2)
+    out = specpass.generate(program, ids, max_new_tokens=128, attention_mask=mask)
+    for b, (prompt, reference) in enumerate(cases):
+        assert list(out.new_tokens[b]) == reference[0, prompt.shape[1] :].tolist()
+    assert sorted(s.finish_reason for s in out.stats) == ["eos", "eos", "eos", "length"]
 
 
 def test_sampling_on_ort_equals_plain_sampling_on_ort(default_export, cases):

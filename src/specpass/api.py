@@ -23,9 +23,7 @@ def compile_program(model: nn.Module | DecodeProgram, options=None, rows: int = 
     if isinstance(model, DecodeProgram):
         if options is not None:
             raise InvalidParameterError("a program's options are fixed when it is built; options must be None")
-        if rows > getattr(model, "rows", 1):
-            raise InvalidParameterError(f"batch size {rows}: this {type(model).__name__} runs one sequence at a "
-                                        "time; generate from the model itself for a batch")  # fmt: skip
+        model.check_rows(rows)
         return model
     model, opts = resolve(model, options)
     arch_spec(model)  # clear error for unsupported architectures before any capture work
