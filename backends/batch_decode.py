@@ -136,12 +136,19 @@ def generate_rows(
                     s.end("cache_full")
             live = _retire(program, live)
             continue
-        trees = [s.draft(program, room) for s in live]
+        trees = []
+        for b, s in enumerate(live):
+            with program.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
+                trees.append(s.draft(program, room))
         size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
         trees = [t.prefix(min(size, room)) for t in trees]
         layout = RowsLayout(tuple(s.cursor.layout(t.ancestor_mask()) for s, t in zip(live, trees)))
-        tokens = layout.pad_tokens([torch.tensor(t.tokens) for t in trees])  # [B, T]
-        logits, hidden = program.forward_rows(tokens, layout)  # [B, T, V], [B, T, H]
+        states = _exit_states(live, trees, layout.size) if program.resumes_from_exit else None
+        if states is not None:  # every row's tree is its self-draft chain: resume above the exit
+            logits, hidden = program.forward_rows_from_exit(states, layout)  # [B, T, V], [B, T, H]
+        else:
+            tokens = layout.pad_tokens([torch.tensor(t.tokens) for t in trees])  # [B, T]
+            logits, hidden = program.forward_rows(tokens, layout)  # [B, T, V], [B, T, H]
         topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]
         accepted = [s.accept(t, logits[b, : len(t)], hidden[b, : len(t)], topk[b, : len(t)])
                     for b, (s, t) in enumerate(zip(live, trees))]  # fmt: skip
@@ -224,6 +231,19 @@ def _shared_size(curve, trees, overhead: float) -> int:
     largest = max(len(e) for e in expected)
     summed = [sum(e[min(n, len(e)) - 1] for e in expected) for n in range(1, largest + 1)]
     return curve.best_size(summed, overhead)
+
+
+def _exit_states(live: list[SequenceState], trees: list, size: int) -> torch.Tensor | None:
+    """[B, T, H]: each row's precomputed exit states (its tree is its self-draft chain), padding nodes'
+    zeros; None when some row has none (its tree is not the chain: then every row runs the whole
+    forward, which writes the same K/V in the self-drafted slots again)."""
+    rows = [s.drafting.precomputed(t) for s, t in zip(live, trees)]
+    if any(r is None for r in rows):
+        return None
+    states = rows[0].new_zeros(len(rows), size, rows[0].shape[-1])
+    for b, r in enumerate(rows):
+        states[b, : r.shape[0]] = r
+    return states
 
 
 def _retire(program: DecodeProgram, live: list[SequenceState]) -> list[SequenceState]:

@@ -2,9 +2,9 @@
 
 KV cache. Two torch tensors [L, B, KV, S, D] (on the CPU, or on the GPU with the CUDA EP) are the
 step's `past_keys` / `past_values` inputs as they are: in row b, slots at and past that row's
-committed length are hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in buckets of KV_BUCKET
-slots (the buffer is reallocated and copied when the committed prefix outgrows it), so the step
-attends over at most KV_BUCKET - 1 spare slots.
+committed length are hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in
+buckets of KV_BUCKET slots (the buffer is reallocated and copied when the committed prefix outgrows
+it), so the step attends over at most KV_BUCKET - 1 spare slots.
 After a verify step `commit` copies the accepted path's entries of `new_keys` / `new_values` into
 consecutive slots: compaction without recompute, as in the PyTorch lowering. An export that evicts
 (rewrites.kv_eviction) has a fixed cache of the policy's `budget` slots: after each commit its

@@ -6,9 +6,10 @@ KV cache; `backends.onnxrt.OrtProgram` is the same step exported to ONNX and run
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,15 @@ class DecodeProgram(ABC):
         the next forwards of len(keep) rows read, once the other rows' sequences ended."""
         raise NotImplementedError(f"{type(self).__name__} runs one sequence")
 
+    def drafting_row(self, row: int) -> contextlib.AbstractContextManager:
+        """Inside the block, a cache-sharing draft graph (EarlyExit / LayerSkip) drafts for cache row
+        `row` (a batch's rows draft one after another). No-op for programs without one."""
+        return contextlib.nullcontext()
+
+    def forward_rows_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_from_exit` for several rows: exit_hidden [B, T, H] (padding nodes' states arbitrary)."""
+        raise NotImplementedError(f"{type(self).__name__} has no resume graph")
+
     def check_rows(self, rows: int) -> None:
         """Raise InvalidParameterError when a batch of `rows` sequences cannot run on this program."""
         if rows > self.rows:
@@ -197,8 +207,9 @@ class SpeculativeProgram(DecodeProgram):
     several rows verifies every row's tree in one forward (`forward_rows`), commits each row's path in
     its own cache row (`commit_rows`) and measures its cost curve on forwards of all its rows, T tokens
     each. It runs on the eager, oneDNN, inductor and CUDA-graph lowerings (the replayed graphs are
-    bucketed by rows too, backends.cudagraphs), without the GGUF kernels, a cache-sharing draft graph
-    (early exit, layer skip), KV eviction or tensor parallelism; those are refused with the reason.
+    bucketed by rows too, backends.cudagraphs), with every drafter (a cache-sharing draft graph drafts
+    each row in its own cache row: `drafting_row`), without the GGUF kernels, KV eviction or tensor
+    parallelism; those are refused with the reason.
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions, rows: int = 1):
@@ -237,8 +248,6 @@ class SpeculativeProgram(DecodeProgram):
         if not kinds <= batched:
             reasons.append(f"the {'/'.join(sorted(kinds - batched))} lowering (use lowering='auto', or one of "
                            f"{', '.join(sorted(batched))})")  # fmt: skip
-        if self.resumes_from_exit:
-            reasons.append("a self-speculation draft graph (EarlyExit / LayerSkip: it writes the cache of one row)")
         if self.evicts:
             reasons.append("KV eviction")
         if self.tensor_parallel:
@@ -270,9 +279,30 @@ class SpeculativeProgram(DecodeProgram):
         return logits[0], hidden[0]
 
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = layout.to(self.device).step_inputs(exit_hidden[None]) | {EXIT_HIDDEN: exit_hidden[None]}  # [1, T, H]
-        logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [1, T, V], [1, T, H]
+        logits, hidden = self.forward_rows_from_exit(exit_hidden[None], RowsLayout((layout,)))  # [1, T, V], [1, T, H]
         return logits[0], hidden[0]
+
+    def forward_rows_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_rows(len(layout.rows))
+        ids = torch.zeros(exit_hidden.shape[:2], dtype=torch.long, device=self.device)  # [B, T]: the resume graph reads none
+        inputs = layout.to(self.device).step_inputs(ids) | {EXIT_HIDDEN: exit_hidden}  # exit_hidden [B, T, H]
+        logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [B, T, V], [B, T, H]
+        return logits, hidden
+
+    @contextlib.contextmanager
+    def drafting_row(self, row: int) -> Iterator[None]:
+        """The draft graph's cache buffers are cache row `row`'s views [L, 1, KV, S, D] inside the block:
+        its one-token calls write and read that sequence's K/V (ir.draft: the graph owns references to
+        the step's cache tensors, so views of them write through)."""
+        draft = self.step.draft.gm if self.resumes_from_exit and self.rows > 1 else None
+        if draft is None:
+            yield
+            return
+        draft.k_cache, draft.v_cache = self.k_cache[:, row : row + 1], self.v_cache[:, row : row + 1]
+        try:
+            yield
+        finally:
+            draft.k_cache, draft.v_cache = self.k_cache, self.v_cache
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
         """With several lowerings (`auto` on a CPU): each one's curve, then each tree size runs on the
