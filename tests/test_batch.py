@@ -352,14 +352,14 @@ def test_self_draft_in_the_combined_tree_rows_equal_greedy_alone():
 
 
 def test_self_draft_batch_on_the_default_model(default_model, cases):
-    """A layer-24 early exit drafting two rows of the real model (code and chat, one ending at EOS after
-    46 tokens, one at the length limit): each row equals HF greedy alone."""
+    """The shipped exit adapter (layer 4) drafting two rows of the real model (code and chat, one ending
+    at EOS after 46 tokens, one at the length limit): each row equals HF greedy alone."""
     from specpass.drafters import SelfDraft
 
     model, _ = default_model
     chosen = [cases[1], cases[3]]
     ids, mask = _padded([c[0] for c in chosen])
-    options = _options(SelfDraft(4), specpass.Pipeline(TreeAttention(16), EarlyExit(24)))
+    options = _options(SelfDraft(4), specpass.Pipeline(TreeAttention(16), EarlyExit(4, adapter="default")))
     out = specpass.generate(model, ids, max_new_tokens=48, attention_mask=mask, options=options)
     for b, (prompt, reference) in enumerate(chosen):
         assert list(out.new_tokens[b]) == _continuation(reference, prompt, 48)
