@@ -150,7 +150,7 @@ def generate_rows(
             tokens = layout.pad_tokens([torch.tensor(t.tokens) for t in trees])  # [B, T]
             logits, hidden = program.forward_rows(tokens, layout)  # [B, T, V], [B, T, H]
         topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]
-        accepted = [s.accept(t, logits[b, : len(t)], hidden[b, : len(t)], topk[b, : len(t)])
+        accepted = [s.accept(t, logits[b, : len(t)], hidden[b, : len(t)], topk[b, : len(t)], states is not None)
                     for b, (s, t) in enumerate(zip(live, trees))]  # fmt: skip
         committed = program.commit_rows(layout, [path for path, _ in accepted])
         for s, t, (path, verified), cached in zip(live, trees, accepted, committed):

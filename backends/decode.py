@@ -189,10 +189,11 @@ class SequenceState:
         tree = self.drafting.draft(self.tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
         return tree if program.verifies_trees else _as_chain(tree)
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, topk: torch.Tensor
-               ) -> tuple[list[int], TargetForward]:  # fmt: skip
+    def accept(self, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, topk: torch.Tensor,
+               resumed: bool = False) -> tuple[list[int], TargetForward]:  # fmt: skip
         """The accepted path (node indices, root first) of `tree` verified as logits [T, V], hidden [T, H],
-        topk [T, k] (host), and what the drafters learn from the step."""
+        topk [T, k] (host), and what the drafters learn from the step (resumed: the verify resumed
+        above an early exit from the drafted states)."""
         if self.by_rule and len(tree) > 1:  # drawn drafts: the multi-candidate rule
             processed = self.choice.processed(logits, self.tokens, tree.parents, tree.tokens)  # [T, V]
             path, last = accept_drawn(tree, node_laws(processed), self.rng)
@@ -203,7 +204,7 @@ class SequenceState:
             plain = self.choice.plain_greedy
             choices = topk[:, 0] if plain else self.choice(logits, self.tokens, tree.parents, tree.tokens)  # [T]
             path = accept_greedy(tree, choices.tolist())
-        return path, TargetForward(topk, hidden, choices)
+        return path, TargetForward(topk, hidden, choices, resumed)
 
     def advance(self, tree: DraftTree, verified: TargetForward, path: list[int]) -> None:
         """After the path's commit: emit its tokens and the target's next one, let the drafters learn."""
@@ -284,7 +285,8 @@ def generate(
             logits, hidden = program.forward_from_exit(exit_states, layout)  # [T, V], [T, H]
         else:
             logits, hidden = program.forward(torch.tensor(tree.tokens), layout)  # [T, V], [T, H]
-        path, verified = seq.accept(tree, logits, hidden, logits.topk(top_k, dim=-1).indices.cpu())
+        path, verified = seq.accept(tree, logits, hidden, logits.topk(top_k, dim=-1).indices.cpu(),
+                                    resumed=exit_states is not None)  # fmt: skip
         seq.cursor.commit(program, layout, path)
         seq.advance(tree, verified, path)
         if curve is not None:

@@ -22,6 +22,7 @@ class TargetForward:
     topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token (raw logits)
     hidden: torch.Tensor  # [T, H] on the model's device: final normed hidden states
     choices: torch.Tensor  # [T] int64 on the CPU: the token the target chose after each token (greedy or sampled)
+    resumed: bool = False  # the forward resumed above an early exit from a session's precomputed states
 
 
 class DraftModel(Protocol):
@@ -54,7 +55,8 @@ class DraftSession(ABC):
     def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
         """[T, H]: when this session already ran every node of `tree` through the layers below an
         early exit, in the node's own tree slot (drafters.SelfDraft), the states after them; the
-        verify step then resumes from there. None (the default): the verify step runs every layer."""
+        verify step may then resume from there (and says so in TargetForward.resumed). None (the
+        default): the verify step runs every layer. No side effects: asking does not commit the loop."""
         return None
 
 

@@ -104,7 +104,6 @@ class SelfDraftSession(DraftSession):
         """[T, H] exit states of the tree's nodes when the tree is (a prefix of) this step's chain."""
         if self.states is None or not tree.is_chain() or tree.tokens != self.chain[: len(tree)]:
             return None
-        self.resumed = True
         return self.states[: len(tree)]
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
@@ -113,7 +112,7 @@ class SelfDraftSession(DraftSession):
         from_chain = 0
         while from_chain < min(len(accepted), len(drafted)) and accepted[from_chain] == drafted[from_chain]:
             from_chain += 1
-        self.emitted, self.from_chain = len(path), from_chain
+        self.emitted, self.from_chain, self.resumed = len(path), from_chain, verified.resumed
 
 
 class _Chain:
