@@ -183,16 +183,10 @@ class OrtProgram(DecodeProgram):
         return outputs["logits"][0], outputs["hidden"][0]
 
     def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
-        if self._new is None:
-            raise SpecpassError("commit before any forward")
-        start = layout.committed
-        self._reserve(1, start + len(path))
-        nodes = torch.tensor(list(path), device=self.device)
-        for cache, new in zip((self.keys, self.values), self._new):
-            cache[:, :, :, start : start + len(path)] = new.index_select(3, nodes)
+        committed = self.commit_rows(RowsLayout((layout,)), [path])[0]
         if self.eviction is not None:
             return self.eviction.after_commit(layout, path)
-        return start + len(path)
+        return committed
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
