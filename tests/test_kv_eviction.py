@@ -297,6 +297,19 @@ def test_eval_kv_refuses_unknown_policies_and_budgets_before_loading_anything(ca
     assert "budgets are fractions of the length, in (0, 1)" in capsys.readouterr().err
 
 
+def test_passkey_hits_are_counted_by_depth(default_model):
+    """At 192 tokens the full cache finds the key at depths 0, 25, 50 and 75 % but not right before
+    the question (the model's own failure, measured: it also fails there at 320 tokens); sinks + a
+    recent window of 64 keep only the end, where the key is then found."""
+    from specpass.eval_kv import FULL, _program, passkey_hits
+
+    model, tokenizer = default_model
+    full = _program(model, FULL, 256, 16, 256 + 16)
+    assert passkey_hits(full, tokenizer, 192, seeds=1, depths=5) == [1, 1, 1, 1, 0]
+    window = _program(model, "sinks-window", 64, 16, 256 + 16)
+    assert passkey_hits(window, tokenizer, 192, seeds=1, depths=5) == [0, 0, 0, 0, 1]
+
+
 # ---- ONNX: the policy's graphs exported beside the step, run on ORT ----------------------------
 
 

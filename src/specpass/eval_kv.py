@@ -108,15 +108,17 @@ def agreement(tokens: list[int], reference: list[int]) -> dict:
 
 
 @torch.no_grad()
-def passkey_accuracy(program, tokenizer, length: int, seeds: int, depths: int) -> float:
-    hits = 0
+def passkey_hits(program, tokenizer, length: int, seeds: int, depths: int) -> list[int]:
+    """Exact matches of the key at each depth d (the key d / (depths - 1) of the way into the
+    filler), out of `seeds` prompts per depth."""
+    hits = [0] * depths
     for seed in range(seeds):
         for d in range(depths):
             ids, key = passkey_prompt(tokenizer, length, d / max(depths - 1, 1), seed)
             out = decode(program, ids, 8, eos_token_ids=()).sequences[0, ids.shape[1] :]
             answer = "".join(ch for ch in tokenizer.decode(out).strip().split(" ")[0] if ch.isdigit())
-            hits += answer == key
-    return hits / (seeds * depths)
+            hits[d] += answer == key
+    return hits
 
 
 def run(model, tokenizer, protocol: Protocol, log=print, save=lambda report: None) -> dict:
@@ -145,9 +147,11 @@ def run(model, tokenizer, protocol: Protocol, log=print, save=lambda report: Non
     for length in protocol.passkey_lengths:
         for name, fraction in [(FULL, 1.0)] + [(n, f) for n in protocol.policies for f in protocol.passkey_budgets]:
             program = _program(model, name, int(fraction * length), protocol.chunk, length + 256)
-            accuracy = passkey_accuracy(program, tokenizer, length, protocol.passkey_seeds, protocol.passkey_depths)
-            passkey.append({"length": length, "policy": name, "budget": fraction, "accuracy": accuracy})
-            log(f"passkey {length:5d} {name:12s} {fraction:4.2f}  {accuracy:.2f}")
+            hits = passkey_hits(program, tokenizer, length, protocol.passkey_seeds, protocol.passkey_depths)
+            accuracy = sum(hits) / (protocol.passkey_seeds * protocol.passkey_depths)
+            passkey.append({"length": length, "policy": name, "budget": fraction, "accuracy": accuracy,
+                            "hits_by_depth": hits})  # fmt: skip
+            log(f"passkey {length:5d} {name:12s} {fraction:4.2f}  {accuracy:.2f}  by depth {hits}")
             save(report)
             del program
     if protocol.speculation_prompts:
