@@ -78,7 +78,7 @@ def test_batch_rows_equal_greedy_alone(default_model, cases, name):
     assert sum(s.new_tokens for s in out.stats) / sum(s.target_forwards for s in out.stats) > 1.15  # drafts accepted
 
 
-@pytest.mark.parametrize("rows", [3, 5, 6, 7, 8])
+@pytest.mark.parametrize("rows", [3, 5, 7, 8])
 def test_batch_sizes_and_mixed_lengths(default_model, cases, rows):
     """B rows cycling through the four prompts (so prompts repeat at B = 5 and 8), right-padded
     (B = 1, 2 and 4 run in the tests above and below)."""

@@ -75,10 +75,12 @@ METHODS = [name for name in OPTIONS if name != "medusa_static"]  # one per draft
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_drafters_equal_greedy(default_model, cases, name):
+    """Every drafting method on the four cases; Medusa's static trees (a variant of a method tested
+    here already) on a code and a chat case."""
     model, _ = default_model
     compiled = torch.compile(model, backend="specpass", options=OPTIONS[name])
     taus = []
-    for ids, reference in cases:
+    for ids, reference in cases if name in METHODS else cases[::2]:
         out = specpass.generate(compiled, ids, max_new_tokens=128)
         assert torch.equal(out.sequences, reference)
         assert out.stats.new_tokens == reference.shape[1] - ids.shape[1]
