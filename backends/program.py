@@ -345,8 +345,15 @@ _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def program_for(model: nn.Module, options: CompileOptions, rows: int = 1) -> SpeculativeProgram:
     """The program of (model, options) with a cache of `rows` sequences, built once and reused while
-    the model lives."""
+    the model lives (or until `forget_programs`)."""
     programs = _PROGRAMS.setdefault(model, {})
     if (options, rows) not in programs:
         programs[options, rows] = SpeculativeProgram(model, options, rows)
     return programs[options, rows]
+
+
+def forget_programs(model: nn.Module) -> None:
+    """Drop the programs built for `model`. A lowered program keeps copies of some weights (fused
+    projections, prepacked oneDNN weights), so after the model's weights change in place (e.g.
+    ladder_training) the next program must be built from them."""
+    _PROGRAMS.pop(model, None)

@@ -167,13 +167,15 @@ def _concat_steps(calls: list[torch.Tensor], width: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Teacher:
     """The corpus flattened: position f of the concatenated sequences has hidden[f] [H], tokens[f],
-    and the model's sparse law over x[f+1]: probs[f], ids[f] [TEACHER_TOP]."""
+    and the model's sparse law over x[f+1]: probs[f], ids[f] [TEACHER_TOP], and the share of the
+    whole law those top tokens hold (mass[f]; probs are renormalised to sum to 1)."""
 
     hidden: torch.Tensor  # [F, H] float32
     tokens: torch.Tensor  # [F] int64
     probs: torch.Tensor  # [F, TEACHER_TOP] float32
     ids: torch.Tensor  # [F, TEACHER_TOP] int64
     offsets: list[int]  # where each sequence starts
+    mass: torch.Tensor  # [F] float32
 
 
 @torch.no_grad()
@@ -186,17 +188,18 @@ def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> 
     missing = iter(_forward_states(model, [seq.tokens for seq in corpus if seq.hidden is None]))
     states = [next(missing) if seq.hidden is None else F.pad(seq.hidden.to(device), (0, 0, 0, 1)) for seq in corpus]
     hidden = torch.cat(states)  # [F, H]: each sequence's [L, H], a zero last row where generation caught them
-    probs, ids = [], []
+    probs, ids, mass = [], [], []
     for part in hidden.split(chunk):
         logits = F.linear(part, model.lm_head.weight.float())  # [chunk, V]
         top = logits.softmax(-1).topk(min(TEACHER_TOP, logits.shape[-1]), dim=-1)
-        probs.append(top.values / top.values.sum(-1, keepdim=True))
+        mass.append(top.values.sum(-1))
+        probs.append(top.values / mass[-1][:, None])
         ids.append(top.indices)
     offsets = [0]
     for seq in corpus:
         offsets.append(offsets[-1] + len(seq.tokens))
     tokens = torch.cat([seq.tokens for seq in corpus]).to(device)
-    return Teacher(hidden, tokens, torch.cat(probs), torch.cat(ids), offsets[:-1])
+    return Teacher(hidden, tokens, torch.cat(probs), torch.cat(ids), offsets[:-1], torch.cat(mass))
 
 
 def _forward_states(model: nn.Module, sequences: list[torch.Tensor], tokens_per_batch: int = 16384):
