@@ -29,11 +29,9 @@ def _heads(kind: str, drafter) -> dict:
     return _options(drafter, specpass.Pipeline(TreeAttention(64), DraftHeads(kind)))
 
 
-DRAFTERS = {
+DRAFTERS = {  # Token Recycling runs inside the combined drafter, Medusa's heads as Hydra's do (the Heads drafter)
     "prompt_lookup": _options(PromptLookup()),
-    "token_recycling": _options(TokenRecycling()),
     "combined": _options(),
-    "medusa": _heads("medusa", Heads()),
     "hydra": _heads("hydra", Heads()),
 }
 
@@ -78,9 +76,9 @@ def test_batch_rows_equal_greedy_alone(default_model, cases, name):
     assert sum(s.new_tokens for s in out.stats) / sum(s.target_forwards for s in out.stats) > 1.15  # drafts accepted
 
 
-@pytest.mark.parametrize("rows", [3, 5, 7, 8])
+@pytest.mark.parametrize("rows", [3, 8])
 def test_batch_sizes_and_mixed_lengths(default_model, cases, rows):
-    """B rows cycling through the four prompts (so prompts repeat at B = 5 and 8), right-padded
+    """B rows cycling through the four prompts (so prompts repeat at B = 8), right-padded
     (B = 1, 2 and 4 run in the tests above and below)."""
     model, _ = default_model
     chosen = [cases[(b * 3) % len(cases)] for b in range(rows)]

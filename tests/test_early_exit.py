@@ -120,7 +120,7 @@ def test_self_draft_on_the_default_model_equals_hf_greedy_with_eos_inside_a_draf
     """Two of the four cases (a code prompt, a chat prompt), chains of 2: each drafted token costs
     24 of 30 layers, which makes this the slowest drafter to test, and longer chains slower still."""
     model, _ = default_model
-    options = {"pipeline": specpass.Pipeline(TreeAttention(16), EarlyExit(24)), "drafter": SelfDraft(2)}
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16), EarlyExit(24)), "drafter": SelfDraft(2), "budget": 3}
     check_default_model_greedy(model, cases, options, min_tau=1.1)  # a layer-24 exit often agrees
 
 

@@ -162,7 +162,7 @@ def test_the_shipped_adapter_on_the_default_model_equals_hf_greedy_with_eos_insi
     model, _ = default_model
     layer = read_exit_adapter_config(shipped_heads("exit_adapter")).layer
     options = {"pipeline": specpass.Pipeline(TreeAttention(16), EarlyExit(layer, adapter="default")),
-               "drafter": SelfDraft(4)}  # fmt: skip
+               "drafter": SelfDraft(4), "budget": 5}  # fmt: skip
     check_default_model_greedy(model, cases, options, min_tau=1.3)
 
 

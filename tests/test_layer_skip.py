@@ -132,7 +132,7 @@ def test_layer_skip_on_the_default_model_equals_hf_greedy_with_eos_inside_a_draf
 ):
     """Two of the four cases (a code prompt, a chat prompt), layers 25 and 27 of 30 left out."""
     model, _ = default_model
-    options = {"pipeline": specpass.Pipeline(TreeAttention(16), LayerSkip((25, 27))), "drafter": SelfDraft(4)}
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16), LayerSkip((25, 27))), "drafter": SelfDraft(4), "budget": 5}
     check_default_model_greedy(model, cases, options, min_tau=1.5)  # two layers out: the draft mostly agrees
 
 

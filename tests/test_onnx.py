@@ -221,8 +221,8 @@ def test_default_model_on_ort_equals_hf_greedy(default_export, cases, drafter):
     manifest = json.load(open(os.path.join(default_export, "manifest.json")))
     assert manifest["architecture"] == "LlamaForCausalLM" and max(manifest["check"]["max_abs_diff"].values()) < 1e-4
     assert manifest["draft"]["spec"]["config"]["kind"] == "hydra" and manifest["draft"]["check_max_abs_diff"] < 1e-4
-    program = specpass.load_onnx(default_export, drafter=drafter_by_name(drafter))
-    for ids, reference in cases:
+    program = specpass.load_onnx(default_export, drafter=drafter_by_name(drafter), budget=16)  # no curve to measure
+    for ids, reference in cases[::2]:  # a code and a chat case (the batch test below decodes all four)
         out = specpass.generate(program, ids, max_new_tokens=128)
         assert torch.equal(out.sequences, reference)
 
@@ -233,7 +233,7 @@ def test_default_model_batch_on_ort_equals_hf_greedy_alone(default_export, cases
     length limit, each row equal to HF greedy of its prompt alone."""
     from specpass.drafters.registry import drafter_by_name
 
-    program = specpass.load_onnx(default_export, drafter=drafter_by_name("heads-combined"), rows=4)
+    program = specpass.load_onnx(default_export, drafter=drafter_by_name("heads-combined"), rows=4, budget=16)
     ids, mask = _left_padded([c[0] for c in cases], pad=2)
     out = specpass.generate(program, ids, max_new_tokens=128, attention_mask=mask)
     for b, (prompt, reference) in enumerate(cases):
@@ -247,9 +247,9 @@ def test_sampling_on_ort_equals_plain_sampling_on_ort(default_export, cases):
     from specpass.drafters.registry import drafter_by_name
 
     plain = specpass.load_onnx(default_export, max_nodes=1)
-    program = specpass.load_onnx(default_export, drafter=drafter_by_name("heads-combined"))
+    program = specpass.load_onnx(default_export, drafter=drafter_by_name("heads-combined"), budget=16)
     taus = []
-    for i, (ids, _) in enumerate(cases[:4]):
+    for i, (ids, _) in enumerate(cases[:2]):
         settings = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20)][i % 2] | {"seed": i}
         reference = specpass.generate(plain, ids, 48, do_sample=True, **settings)
         out = specpass.generate(program, ids, 48, do_sample=True, **settings)

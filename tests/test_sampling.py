@@ -148,14 +148,15 @@ def test_keyed_noise_is_position_noise_and_keeps_recent_positions():
     assert noise(10, 50) is not first and torch.equal(noise(10, 50), first)
 
 
+BUDGET = 8  # trees of 8 nodes: no cost curve to measure
+
+
 def _with_heads(drafter) -> dict:
-    return {"pipeline": specpass.Pipeline(TreeAttention(64), DraftHeads("hydra")), "drafter": drafter}
+    return {"pipeline": specpass.Pipeline(TreeAttention(64), DraftHeads("hydra")), "drafter": drafter, "budget": BUDGET}
 
 
-DRAFTERS = {
-    "prompt_lookup": {"drafter": PromptLookup()},
-    "token_recycling": {"drafter": TokenRecycling()},
-    "combined": {"drafter": Combined(PromptLookup(), TokenRecycling())},
+DRAFTERS = {  # every proposer: prompt lookup and Token Recycling together, and with Hydra's heads
+    "combined": {"drafter": Combined(PromptLookup(), TokenRecycling()), "budget": BUDGET},
     "hydra_combined": _with_heads(Combined(Heads(), PromptLookup(), TokenRecycling())),
 }
 SETTINGS = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3)]
@@ -167,18 +168,19 @@ def _settings(case: int) -> dict:
 
 @pytest.fixture(scope="module")
 def plain_samples(default_model, cases) -> list[torch.Tensor]:
-    """Non-speculative sampling (one node a step) of each case with its settings and seed."""
+    """Non-speculative sampling (one node a step) of three cases (two code, one chat), each with its
+    own settings (one per SETTINGS entry) and seed."""
     model, _ = default_model
     plain = {"budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1))}
     return [specpass.generate(model, ids, 64, do_sample=True, options=plain, **_settings(i)).sequences
-            for i, (ids, _) in enumerate(cases)]  # fmt: skip
+            for i, (ids, _) in enumerate(cases[:3])]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(default_model, cases, plain_samples, name):
     model, _ = default_model
     taus = []
-    for i, ((ids, _), reference) in enumerate(zip(cases, plain_samples)):
+    for i, ((ids, _), reference) in enumerate(zip(cases[:3], plain_samples, strict=True)):
         out = specpass.generate(model, ids, 64, do_sample=True, options=DRAFTERS[name], **_settings(i))
         assert torch.equal(out.sequences, reference)
         taus.append(out.stats.tau)
