@@ -145,7 +145,7 @@ def run(max_new_tokens: int, out_dir: str, counts: list[str] | None = None, reco
             continue
         ladder = LadderResidual.top(count)
         rows[label], _ = measure(ladder)
-        if corpus and count:
+        if corpus:
             rows[label]["recovered"] = _recover(model, ladder, corpus, recover, measure, rows[label])
         print(f"{label:>5} {rows[label]}", flush=True)
     report = {**run_identity(torch.device("cpu")), "max_new_tokens": max_new_tokens, "dtype": "float32",
