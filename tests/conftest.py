@@ -37,6 +37,9 @@ def char_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+NEW_TOKENS = 64  # the length of the `cases` references: where a test's subject is not a long continuation
+
+
 def token_inside_an_accepted_draft(continuation: list[int], steps: tuple[int, ...]) -> tuple[int, int]:
     """(token, index in continuation) of a token that first appears in the middle of a multi-token
     step: declared EOS, it ends a generation inside an accepted draft."""
@@ -110,14 +113,14 @@ def check_default_model_greedy(model, cases, options: dict, min_tau: float) -> N
 
     outputs = []
     for ids, reference in cases[::2]:
-        outputs.append(specpass.generate(model, ids, max_new_tokens=128, options=options))
+        outputs.append(specpass.generate(model, ids, max_new_tokens=NEW_TOKENS, options=options))
         assert torch.equal(outputs[-1].sequences, reference)
     ids, reference = cases[0]
     continuation = reference[0, ids.shape[1]:].tolist()
-    out = outputs[0]  # its steps cover the whole continuation, up to the model's own EOS
+    out = outputs[0]  # its steps cover the whole continuation
     assert out.stats.tau > min_tau
     eos, index = token_inside_an_accepted_draft(continuation, out.stats.steps)
-    stopped = specpass.generate(model, ids, max_new_tokens=128, options=options, eos_token_id=[eos])
+    stopped = specpass.generate(model, ids, max_new_tokens=NEW_TOKENS, options=options, eos_token_id=[eos])
     assert stopped.sequences[0, ids.shape[1]:].tolist() == continuation[: index + 1]
     assert stopped.stats.finish_reason == "eos"
     short = specpass.generate(model, ids, max_new_tokens=7, options=options)
@@ -134,8 +137,8 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def cases(default_model, tmp_path_factory):
-    """(prompt ids, HF greedy with 128 new tokens) for HumanEval 0 and 2 (raw) and chat summaries 0
-    and 2: their continuations end at EOS after 103, 46 and 74 tokens and at the length limit (chat 0).
+    """(prompt ids, HF greedy with NEW_TOKENS = 64 new tokens) for HumanEval 0 and 2 (raw) and chat
+    summaries 0 and 2: code 2's continuation ends at EOS after 46 tokens, the others at the length limit.
     Computed once per test run: pytest-xdist workers share this run's temporary root, and the first
     worker to get there writes the references (with their prompts) under a lock for the others."""
     from filelock import FileLock
@@ -147,13 +150,13 @@ def cases(default_model, tmp_path_factory):
     chat = [prompts.encode_chat(tokenizer, m) for m in prompts.chat_messages(3, offset=0)[::2]]
     inputs = code + chat
     base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "hf_greedy_cases.pt"
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / f"hf_greedy_cases_{NEW_TOKENS}.pt"
     with FileLock(f"{shared}.lock"):
         if shared.exists():
             stored = torch.load(shared)
             assert all(torch.equal(ids, s) for ids, (s, _) in zip(inputs, stored, strict=True))
             return stored
-        computed = [(ids, model.generate(ids, max_new_tokens=128, do_sample=False)) for ids in inputs]
+        computed = [(ids, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)) for ids in inputs]
         torch.save(computed, shared)
         return computed
 
@@ -170,7 +173,20 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+# The files that take the most worker time (docs/experiments.md, "Test suite time"), longest first.
+# pytest-xdist (--dist loadfile) hands whole files to whichever worker is free, in collection order:
+# with these first and the short files last, the workers finish together instead of one running a
+# long file alone at the end.
+LONGEST_FILES = ("test_onnx.py", "test_generate.py", "test_batch.py", "test_multi_candidate.py",
+                 "test_kv_eviction.py", "test_tensor_parallel.py", "test_heads.py", "test_sampling.py",
+                 "test_readme.py", "test_hf_hook.py", "test_gguf_lowering.py", "test_families.py",
+                 "test_early_exit.py", "test_exit_adapter.py", "test_layer_skip.py", "test_models.py",
+                 "test_draft_protocol.py")  # 340 s down to 45 s each (2026-11-27); the others take < 30 s  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: each file's order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,7 +1,7 @@
 """Conformance of every registered family (ir.families) on a tiny random-weight config: tree
 verification equals HF's forward on every branch, and speculative greedy decoding with every
 training-free drafter equals HF greedy. (Prefill and cached one-token steps: tests/test_capture.py;
-ONNX round trips: tests/test_onnx.py.)"""
+ONNX round trips: tests/test_onnx.py; Qwen3 and Gemma 3 are exported and decoded on ORT here, through the CLI.)"""
 
 import pytest
 import torch

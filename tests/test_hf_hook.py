@@ -7,9 +7,11 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCr
 from transformers.generation.logits_process import TypicalLogitsWarper
 
 import specpass
+from conftest import NEW_TOKENS
 from specpass.rewrites import TreeAttention
 
-HOOK = specpass.custom_generate({"budget": 8})  # trees of 8 nodes: no cost curve to measure
+TREES_OF_8 = {"budget": 8}  # trees of 8 nodes: no cost curve to measure
+HOOK = specpass.custom_generate(TREES_OF_8)
 GREEDY_SETTINGS = {
     "repetition_penalty": dict(repetition_penalty=1.3),
     "no_repeat_ngram_size": dict(no_repeat_ngram_size=3),
@@ -31,7 +33,7 @@ def test_greedy_with_processors_equals_hf_generate(default_model, cases, name):
 
 def test_min_new_tokens_holds_back_eos(default_model, cases):
     model, _ = default_model
-    ids, reference = next((i, r) for i, r in cases if r.shape[1] < i.shape[1] + 128)  # ends at EOS
+    ids, reference = next((i, r) for i, r in cases if r.shape[1] < i.shape[1] + NEW_TOKENS)  # ends at EOS
     eos_at = reference.shape[1] - ids.shape[1]
     settings = dict(min_new_tokens=eos_at + 5, max_new_tokens=eos_at + 20, do_sample=False)
     out = model.generate(ids, custom_generate=HOOK, **settings)
@@ -61,7 +63,7 @@ def test_sampling_through_the_hook_is_seeded(default_model, cases):
     b = model.generate(ids, **settings)
     assert torch.equal(a, b)
     c = model.generate(ids, seed=11, **settings)
-    d = specpass.generate(model, ids, 24, do_sample=True, temperature=0.7, top_p=0.9, seed=11)
+    d = specpass.generate(model, ids, 24, do_sample=True, temperature=0.7, top_p=0.9, seed=11, options=TREES_OF_8)
     assert torch.equal(c, d.sequences)  # the hook's seed= is specpass.generate's seed
     # sampling after HF's processors (typical_p, a repetition penalty) is lossless too: speculative
     # equals one-node trees with the same seed

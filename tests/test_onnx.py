@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import NEW_TOKENS, tiny_model
 
 import specpass
 from specpass.backends.onnx_export import export
@@ -16,7 +16,8 @@ from specpass.passes import Pass, PassResult
 
 pytest.importorskip("onnxruntime")
 TREE = specpass.Pipeline(specpass.rewrites.TreeAttention(16))
-EXPORTED = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3")  # q/k norms, soft-capping, local/global layers
+EXPORTED = ("llama", "qwen2", "mistral", "gemma2")  # biases, sliding windows, soft-capping and local/global layers
+# (Qwen3 and Gemma 3, q/k norms: exported and decoded on ORT by test_families.py through the CLI)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +93,11 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
 def test_ort_decoding_equals_hf_greedy(tiny_exports, arch):
     model, result = tiny_exports[arch]
-    program = specpass.load_onnx(result.directory, cache_size=200)
+    # trees of 16, not the measured curve's sizes: timed on a busy core, the curve can pick 1-node trees
+    program = specpass.load_onnx(result.directory, cache_size=200, budget=16)
     for seed in range(3):
         ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(seed))
         out = specpass.generate(program, ids, max_new_tokens=40, eos_token_id=[])
@@ -223,22 +225,22 @@ def test_default_model_on_ort_equals_hf_greedy(default_export, cases, drafter):
     assert manifest["draft"]["spec"]["config"]["kind"] == "hydra" and manifest["draft"]["check_max_abs_diff"] < 1e-4
     program = specpass.load_onnx(default_export, drafter=drafter_by_name(drafter), budget=16)  # no curve to measure
     for ids, reference in cases[::2]:  # a code and a chat case (the batch test below decodes all four)
-        out = specpass.generate(program, ids, max_new_tokens=128)
+        out = specpass.generate(program, ids, max_new_tokens=NEW_TOKENS)
         assert torch.equal(out.sequences, reference)
 
 
 def test_default_model_batch_on_ort_equals_hf_greedy_alone(default_export, cases):
     """The default model's export (with Hydra heads) decoding the four cases as one batch, drafting with
-    heads, prompt lookup and Token Recycling: rows end at EOS after 103, 46 and 74 tokens and at the
-    length limit, each row equal to HF greedy of its prompt alone."""
+    heads, prompt lookup and Token Recycling: one row ends at EOS after 46 tokens while the others go
+    on to the length limit, each row equal to HF greedy of its prompt alone."""
     from specpass.drafters.registry import drafter_by_name
 
     program = specpass.load_onnx(default_export, drafter=drafter_by_name("heads-combined"), rows=4, budget=16)
     ids, mask = _left_padded([c[0] for c in cases], pad=2)
-    out = specpass.generate(program, ids, max_new_tokens=128, attention_mask=mask)
+    out = specpass.generate(program, ids, max_new_tokens=NEW_TOKENS, attention_mask=mask)
     for b, (prompt, reference) in enumerate(cases):
         assert list(out.new_tokens[b]) == reference[0, prompt.shape[1] :].tolist()
-    assert sorted(s.finish_reason for s in out.stats) == ["eos", "eos", "eos", "length"]
+    assert [s.finish_reason for s in out.stats] == ["length", "eos", "length", "length"]
 
 
 def test_sampling_on_ort_equals_plain_sampling_on_ort(default_export, cases):
