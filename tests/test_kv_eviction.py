@@ -297,6 +297,30 @@ def test_eval_kv_refuses_unknown_policies_and_budgets_before_loading_anything(ca
     assert "budgets are fractions of the length, in (0, 1)" in capsys.readouterr().err
 
 
+def test_eval_kv_tables_and_plot_cover_perplexity_and_passkey(tmp_path):
+    """A report with perplexity rows at one length and passkey cells at two: one table row per
+    (policy, budget), and one PNG panel per length and measure; a passkey-only report plots too."""
+    from matplotlib.image import imread
+
+    from specpass.eval_kv import FULL, plot, tables
+
+    row = {"length": 256, "slots": 256, "cache_bytes": 100, "equal_positions": 1.0, "first_difference": 8}
+    rows = [row | {"policy": FULL, "budget": 1.0, "perplexity": 5.0},
+            row | {"policy": "tova", "budget": 0.25, "perplexity": 5.5, "cache_bytes": 25}]  # fmt: skip
+    passkey = [{"length": n, "policy": name, "budget": b, "accuracy": a, "hits_by_depth": []}
+               for n in (256, 512) for name, b, a in ((FULL, 1.0, 0.8), ("tova", 0.1, 0.2), ("tova", 0.25, 0.6))
+               if (n, b) != (512, 0.1)]  # a cell not run at 512  # fmt: skip
+    report = {"rows": rows, "passkey": passkey, "model": "m", "device": "d"}
+    text = tables(report)
+    assert "| tova | 0.25 | 5.500 (+10.0 %); agree 1.00 / 8; 25.0 % bytes |" in text
+    assert "| tova | 0.10 | 0.20 | - |" in text and "| full | 1.00 | 0.80 | 0.80 |" in text
+    assert tables({"passkey": passkey}).startswith("| passkey: policy | budget | 256 tokens | 512 tokens |")
+    plot(report, str(tmp_path / "both.png"))
+    plot({"passkey": passkey, "model": "m", "device": "d"}, str(tmp_path / "passkey.png"))
+    widths = [imread(tmp_path / name).shape[1] for name in ("both.png", "passkey.png")]
+    assert widths[0] == 3 * widths[1] // 2  # three panels against two, 4.5 inches each
+
+
 def test_passkey_hits_are_counted_by_depth(default_model):
     """At 192 tokens the full cache finds the key at depths 0, 25, 50 and 75 % but not right before
     the question (the model's own failure, measured: it also fails there at 320 tokens); sinks + a

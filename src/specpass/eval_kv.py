@@ -243,32 +243,33 @@ def _rates(stats: list) -> dict:
 def tables(report: dict) -> str:
     """Markdown tables of a report: perplexity (increase over the full cache), greedy agreement,
     cache bytes against the full cache's, passkey accuracy."""
-    rows, lines = report["rows"], []
-    if not rows:
-        return ""
-    lengths = sorted({r["length"] for r in rows})
-    configs = [(r["policy"], r["budget"]) for r in rows if r["length"] == lengths[0]]
-    by = {(r["length"], r["policy"], r["budget"]): r for r in rows}
-    full = {n: by[(n, FULL, 1.0)] for n in lengths}
-    head = " | ".join(f"{n} tokens" for n in lengths)
-    lines += [f"| policy | budget | {head} |", "| --- | --- |" + " --- |" * len(lengths)]
-    for name, budget in configs:
-        cells = []
-        for n in lengths:
-            r = by[(n, name, budget)]
-            increase = 100 * (r["perplexity"] / full[n]["perplexity"] - 1)
-            memory = 100 * r["cache_bytes"] / full[n]["cache_bytes"]
-            cells.append(f"{r['perplexity']:.3f} ({increase:+.1f} %); agree {r['equal_positions']:.2f} / "
-                         f"{r['first_difference']}; {memory:.1f} % bytes")  # fmt: skip
-        lines.append(f"| {name} | {budget:.2f} | " + " | ".join(cells) + " |")
+    rows, lines = report.get("rows", []), []
+    if rows:
+        lengths = sorted({r["length"] for r in rows})
+        configs = [(r["policy"], r["budget"]) for r in rows if r["length"] == lengths[0]]
+        by = {(r["length"], r["policy"], r["budget"]): r for r in rows}
+        full = {n: by[(n, FULL, 1.0)] for n in lengths}
+        head = " | ".join(f"{n} tokens" for n in lengths)
+        lines += [f"| policy | budget | {head} |", "| --- | --- |" + " --- |" * len(lengths)]
+        for name, budget in configs:
+            cells = []
+            for n in lengths:
+                r = by[(n, name, budget)]
+                increase = 100 * (r["perplexity"] / full[n]["perplexity"] - 1)
+                memory = 100 * r["cache_bytes"] / full[n]["cache_bytes"]
+                cells.append(f"{r['perplexity']:.3f} ({increase:+.1f} %); agree {r['equal_positions']:.2f} / "
+                             f"{r['first_difference']}; {memory:.1f} % bytes")  # fmt: skip
+            lines.append(f"| {name} | {budget:.2f} | " + " | ".join(cells) + " |")
     if report.get("passkey"):
         keys = sorted({(p["policy"], p["budget"]) for p in report["passkey"]}, key=lambda k: (k[0] != FULL, k))
         plens = sorted({p["length"] for p in report["passkey"]})
         acc = {(p["length"], p["policy"], p["budget"]): p["accuracy"] for p in report["passkey"]}
-        lines += ["", "| passkey: policy | budget | " + " | ".join(f"{n} tokens" for n in plens) + " |",
+        lines += [""] if lines else []
+        lines += ["| passkey: policy | budget | " + " | ".join(f"{n} tokens" for n in plens) + " |",
                   "| --- | --- |" + " --- |" * len(plens)]  # fmt: skip
         for name, budget in keys:
-            lines.append(f"| {name} | {budget:.2f} | " + " | ".join(f"{acc[(n, name, budget)]:.2f}" for n in plens) + " |")
+            cells = (acc.get((n, name, budget)) for n in plens)  # None: that cell was not run
+            lines.append(f"| {name} | {budget:.2f} | " + " | ".join("-" if a is None else f"{a:.2f}" for a in cells) + " |")
     if report.get("onnx"):
         lines += ["", "| ONNX Runtime: policy | budget | tokens | perplexity (PyTorch) | tokens equal to PyTorch's | "
                   "cache MiB (% of ORT full) |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -282,26 +283,37 @@ def tables(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    """Perplexity increase over the full cache against the budget, one panel per length."""
+    """Against the budget, one panel per length: the perplexity increase over the full cache, then
+    passkey accuracy (the full cache's as a dashed line)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = sorted({r["length"] for r in report["rows"]})
-    if not lengths:
+    panels = [("perplexity", n) for n in sorted({r["length"] for r in report.get("rows", [])})]
+    panels += [("passkey", n) for n in sorted({p["length"] for p in report.get("passkey", [])})]
+    if not panels:
         return
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.8), squeeze=False)
-    for ax, length in zip(axes[0], lengths):
-        rows = [r for r in report["rows"] if r["length"] == length]
-        full = next(r["perplexity"] for r in rows if r["policy"] == FULL)
-        for name in sorted({r["policy"] for r in rows} - {FULL}):
-            mine = sorted((r["budget"], 100 * (r["perplexity"] / full - 1)) for r in rows if r["policy"] == name)
-            ax.plot([b for b, _ in mine], [p for _, p in mine], marker="o", label=name)
-        ax.set_yscale("symlog", linthresh=10)
-        ax.set_title(f"{length} tokens (full cache ppl {full:.2f})")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, (measure, length) in zip(axes[0], panels):
+        if measure == "perplexity":
+            cells = [r for r in report["rows"] if r["length"] == length]
+            full = next(r["perplexity"] for r in cells if r["policy"] == FULL)
+            points = [(r["policy"], r["budget"], 100 * (r["perplexity"] / full - 1)) for r in cells]
+            ax.set_yscale("symlog", linthresh=10)
+            ax.set_title(f"{length} tokens (full cache ppl {full:.2f})")
+            ax.set_ylabel("perplexity increase (%)")
+        else:
+            points = [(p["policy"], p["budget"], p["accuracy"]) for p in report["passkey"] if p["length"] == length]
+            for full in (v for name, _, v in points if name == FULL):
+                ax.axhline(full, color="black", linestyle="--", label="full cache")
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_title(f"passkey, {length} tokens")
+            ax.set_ylabel("accuracy (exact match)")
+        for name in sorted({name for name, _, _ in points} - {FULL}):
+            mine = sorted((budget, v) for n, budget, v in points if n == name)
+            ax.plot([b for b, _ in mine], [v for _, v in mine], marker="o", label=name)
         ax.set_xlabel("budget (fraction of the length)")
-        ax.set_ylabel("perplexity increase (%)")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     fig.suptitle(f"KV eviction on {report['model']}, {report['device']}")
