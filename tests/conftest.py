@@ -38,6 +38,16 @@ def char_tokenizer(vocab_size: int):
 
 
 NEW_TOKENS = 64  # the length of the `cases` references: where a test's subject is not a long continuation
+FIXED_BUDGET = 8  # trees of 8 nodes: no cost curve to measure (test_tree_budget_follows_the_cost_curve tests it)
+
+
+def with_heads(kind: str, drafter) -> dict:
+    """Options for a drafter that reads the draft heads shipped for the default model."""
+    import specpass
+    from specpass.rewrites import DraftHeads, TreeAttention
+
+    pipeline = specpass.Pipeline(TreeAttention(64), DraftHeads(kind))
+    return {"pipeline": pipeline, "drafter": drafter, "budget": FIXED_BUDGET}
 
 
 def token_inside_an_accepted_draft(continuation: list[int], steps: tuple[int, ...]) -> tuple[int, int]:

@@ -6,33 +6,28 @@ import pytest
 import torch
 
 import specpass
-from conftest import NEW_TOKENS, peaked_tiny_model, tiny_model, token_inside_an_accepted_draft
+from conftest import (
+    FIXED_BUDGET, NEW_TOKENS, peaked_tiny_model, tiny_model, token_inside_an_accepted_draft, with_heads,
+)  # fmt: skip
 from specpass.backends.batch_decode import generate_rows
 from specpass.backends.options import CompileOptions
 from specpass.backends.program import SpeculativeProgram
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
 from specpass.errors import InvalidParameterError
 from specpass.ir import RowsLayout, SlotLayout
-from specpass.rewrites import DraftHeads, EarlyExit, TreeAttention
-
-BUDGET = 8  # a fixed tree size per row: no cost curve to measure for every batch size
-
+from specpass.rewrites import EarlyExit, TreeAttention
 
 def _options(drafter=None, pipeline=None, **extra) -> dict:
-    options = {"drafter": drafter or Combined(PromptLookup(), TokenRecycling()), "budget": BUDGET}
+    options = {"drafter": drafter or Combined(PromptLookup(), TokenRecycling()), "budget": FIXED_BUDGET}
     if pipeline is not None:
         options["pipeline"] = pipeline
     return options | extra
 
 
-def _heads(kind: str, drafter) -> dict:
-    return _options(drafter, specpass.Pipeline(TreeAttention(64), DraftHeads(kind)))
-
-
 DRAFTERS = {  # Token Recycling runs inside the combined drafter, Medusa's heads as Hydra's do (the Heads drafter)
     "prompt_lookup": _options(PromptLookup()),
     "combined": _options(),
-    "hydra": _heads("hydra", Heads()),
+    "hydra": with_heads("hydra", Heads()),
 }
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import specpass
-from conftest import NEW_TOKENS, token_inside_an_accepted_draft
+from conftest import FIXED_BUDGET, NEW_TOKENS, token_inside_an_accepted_draft, with_heads
 from specpass.backends.cost import CostCurve
 from specpass.drafters import Combined, Drafting, Heads, PromptLookup, TokenRecycling, expected_tokens
-from specpass.rewrites import DraftHeads, TreeAttention
+from specpass.rewrites import TreeAttention
 
 
 class _Trees:
@@ -56,21 +56,13 @@ def _is_prefix(verified, drafted) -> bool:
     return verified.tokens == drafted.tokens[:n] and verified.parents == drafted.parents[:n]
 
 
-BUDGET = 8  # trees of 8 nodes: no cost curve to measure (test_tree_budget_follows_the_cost_curve tests it)
-
-
-def _with_heads(kind: str, drafter) -> dict:
-    """Options for a drafter that reads the draft heads shipped for the default model."""
-    return {"pipeline": specpass.Pipeline(TreeAttention(64), DraftHeads(kind)), "drafter": drafter, "budget": BUDGET}
-
-
 OPTIONS = {
-    "prompt_lookup": {"drafter": PromptLookup(), "budget": BUDGET},
-    "token_recycling": {"drafter": TokenRecycling(), "budget": BUDGET},
-    "combined": {"drafter": Combined(PromptLookup(), TokenRecycling()), "budget": BUDGET},
-    "medusa": _with_heads("medusa", Heads()),
-    "hydra": _with_heads("hydra", Heads()),
-    "hydra_combined": _with_heads("hydra", Combined(Heads(), PromptLookup(), TokenRecycling())),
+    "prompt_lookup": {"drafter": PromptLookup(), "budget": FIXED_BUDGET},
+    "token_recycling": {"drafter": TokenRecycling(), "budget": FIXED_BUDGET},
+    "combined": {"drafter": Combined(PromptLookup(), TokenRecycling()), "budget": FIXED_BUDGET},
+    "medusa": with_heads("medusa", Heads()),
+    "hydra": with_heads("hydra", Heads()),
+    "hydra_combined": with_heads("hydra", Combined(Heads(), PromptLookup(), TokenRecycling())),
 }
 METHODS = list(OPTIONS)  # one per drafting method (static Heads trees: tests/test_heads.py, on ORT: test_onnx.py)
 COMPOSITES = ("combined", "hydra_combined")  # every proposer at once: on all four cases
@@ -128,7 +120,8 @@ def test_cache_full_stops_with_a_clear_reason(default_model, cases):
     model, _ = default_model
     ids, reference = cases[3]
     cache = ids.shape[1] + 20
-    out = specpass.generate(model, ids, max_new_tokens=NEW_TOKENS, options={"cache_size": cache, "budget": BUDGET})
+    options = {"cache_size": cache, "budget": FIXED_BUDGET}
+    out = specpass.generate(model, ids, max_new_tokens=NEW_TOKENS, options=options)
     assert out.stats.finish_reason == "cache_full"
     n = out.sequences.shape[1]
     assert n == cache + 1 and torch.equal(out.sequences, reference[:, :n])

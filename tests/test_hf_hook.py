@@ -7,11 +7,10 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCr
 from transformers.generation.logits_process import TypicalLogitsWarper
 
 import specpass
-from conftest import NEW_TOKENS
+from conftest import FIXED_BUDGET, NEW_TOKENS
 from specpass.rewrites import TreeAttention
 
-TREES_OF_8 = {"budget": 8}  # trees of 8 nodes: no cost curve to measure
-HOOK = specpass.custom_generate(TREES_OF_8)
+HOOK = specpass.custom_generate({"budget": FIXED_BUDGET})
 GREEDY_SETTINGS = {
     "repetition_penalty": dict(repetition_penalty=1.3),
     "no_repeat_ngram_size": dict(no_repeat_ngram_size=3),
@@ -63,7 +62,7 @@ def test_sampling_through_the_hook_is_seeded(default_model, cases):
     b = model.generate(ids, **settings)
     assert torch.equal(a, b)
     c = model.generate(ids, seed=11, **settings)
-    d = specpass.generate(model, ids, 24, do_sample=True, temperature=0.7, top_p=0.9, seed=11, options=TREES_OF_8)
+    d = specpass.generate(model, ids, 24, do_sample=True, temperature=0.7, top_p=0.9, seed=11, options={"budget": FIXED_BUDGET})
     assert torch.equal(c, d.sequences)  # the hook's seed= is specpass.generate's seed
     # sampling after HF's processors (typical_p, a repetition penalty) is lossless too: speculative
     # equals one-node trees with the same seed

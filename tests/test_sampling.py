@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import specpass
-from conftest import token_inside_an_accepted_draft
+from conftest import FIXED_BUDGET, token_inside_an_accepted_draft, with_heads
 from specpass.backends.sampling import KeyedNoise, Sampling, TargetChoice, node_prefixes, position_noise
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
-from specpass.rewrites import DraftHeads, TreeAttention
+from specpass.rewrites import TreeAttention
 
 DRAWS = 100_000
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0, -6.0])  # [V]: a vocabulary tail too
@@ -148,16 +148,9 @@ def test_keyed_noise_is_position_noise_and_keeps_recent_positions():
     assert noise(10, 50) is not first and torch.equal(noise(10, 50), first)
 
 
-BUDGET = 8  # trees of 8 nodes: no cost curve to measure
-
-
-def _with_heads(drafter) -> dict:
-    return {"pipeline": specpass.Pipeline(TreeAttention(64), DraftHeads("hydra")), "drafter": drafter, "budget": BUDGET}
-
-
 DRAFTERS = {  # every proposer: prompt lookup and Token Recycling together, and with Hydra's heads
-    "combined": {"drafter": Combined(PromptLookup(), TokenRecycling()), "budget": BUDGET},
-    "hydra_combined": _with_heads(Combined(Heads(), PromptLookup(), TokenRecycling())),
+    "combined": {"drafter": Combined(PromptLookup(), TokenRecycling()), "budget": FIXED_BUDGET},
+    "hydra_combined": with_heads("hydra", Combined(Heads(), PromptLookup(), TokenRecycling())),
 }
 SETTINGS = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3)]
 
