@@ -284,7 +284,8 @@ def tables(report: dict) -> str:
 
 def plot(report: dict, path: str) -> None:
     """Against the budget, one panel per length: the perplexity increase over the full cache, then
-    passkey accuracy (the full cache's as a dashed line)."""
+    passkey accuracy (the full cache's as a dashed line; policies dodged sideways, since many share
+    a value)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -310,9 +311,11 @@ def plot(report: dict, path: str) -> None:
             ax.set_ylim(-0.05, 1.05)
             ax.set_title(f"passkey, {length} tokens")
             ax.set_ylabel("accuracy (exact match)")
-        for name in sorted({name for name, _, _ in points} - {FULL}):
+        names = sorted({name for name, _, _ in points} - {FULL})
+        for i, name in enumerate(names):
             mine = sorted((budget, v) for n, budget, v in points if n == name)
-            ax.plot([b for b, _ in mine], [v for _, v in mine], marker="o", label=name)
+            dodge = (i - (len(names) - 1) / 2) * 0.005 if measure == "passkey" else 0.0  # equal accuracies stay visible
+            ax.plot([b + dodge for b, _ in mine], [v for _, v in mine], marker="os^vDPX"[i % 7], label=name)
         ax.set_xlabel("budget (fraction of the length)")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
