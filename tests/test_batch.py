@@ -17,6 +17,7 @@ from specpass.errors import InvalidParameterError
 from specpass.ir import RowsLayout, SlotLayout
 from specpass.rewrites import EarlyExit, TreeAttention
 
+
 def _options(drafter=None, pipeline=None, **extra) -> dict:
     options = {"drafter": drafter or Combined(PromptLookup(), TokenRecycling()), "budget": FIXED_BUDGET}
     if pipeline is not None:

@@ -10,7 +10,8 @@ import specpass
 from conftest import FIXED_BUDGET, NEW_TOKENS
 from specpass.rewrites import TreeAttention
 
-HOOK = specpass.custom_generate({"budget": FIXED_BUDGET})
+FIXED_TREES = {"budget": FIXED_BUDGET}  # no cost curve to measure
+HOOK = specpass.custom_generate(FIXED_TREES)
 GREEDY_SETTINGS = {
     "repetition_penalty": dict(repetition_penalty=1.3),
     "no_repeat_ngram_size": dict(no_repeat_ngram_size=3),
@@ -62,7 +63,7 @@ def test_sampling_through_the_hook_is_seeded(default_model, cases):
     b = model.generate(ids, **settings)
     assert torch.equal(a, b)
     c = model.generate(ids, seed=11, **settings)
-    d = specpass.generate(model, ids, 24, do_sample=True, temperature=0.7, top_p=0.9, seed=11, options={"budget": FIXED_BUDGET})
+    d = specpass.generate(model, ids, 24, do_sample=True, temperature=0.7, top_p=0.9, seed=11, options=FIXED_TREES)
     assert torch.equal(c, d.sequences)  # the hook's seed= is specpass.generate's seed
     # sampling after HF's processors (typical_p, a repetition penalty) is lossless too: speculative
     # equals one-node trees with the same seed
