@@ -37,7 +37,7 @@ from specpass.backends.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucke
 from specpass.backends.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
 from specpass.backends.onnx_draft import OrtDraft
 from specpass.backends.onnx_eviction import OrtEviction
-from specpass.backends.ort import bind, ort_session, read_manifest, run_bound
+from specpass.backends.ort import bind, ort_session, read_manifest, run_binding, run_bound
 from specpass.backends.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
@@ -228,7 +228,7 @@ class OrtProgram(DecodeProgram):
             static[name].copy_(inputs[name])
         run_options = ort.RunOptions()
         run_options.add_run_config_entry("gpu_graph_id", str(list(self._graphs).index(key) + 1))
-        self.session.run_with_iobinding(binding, run_options)
+        run_binding(self.session, binding, run_options)
         t = layout.size
         per_layer = (*KV_OUTPUTS, QUERIES_OUTPUT)  # [L, B, heads, T, D]
         return {name: value[:, :, :, :t] if name in per_layer else value[:, :t] for name, value in outputs.items()}
