@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specpass.backends.decode import GenerationStats, SequenceState, check_max_new_tokens
+from specpass.backends.guard import one_generation_at_a_time
 from specpass.backends.program import DecodeProgram
 from specpass.backends.sampling import TargetChoice
 from specpass.drafters import expected_tokens
@@ -99,6 +100,7 @@ def check_rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, cache_size
                                      "compile with a larger options['cache_size']")  # fmt: skip
 
 
+@one_generation_at_a_time
 def generate_rows(
     program: DecodeProgram,
     prompts: Sequence[Sequence[int]],

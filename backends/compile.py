@@ -24,7 +24,7 @@ from specpass.backends.options import CompileOptions
 from specpass.errors import UnsupportedArchitectureError
 from specpass.ir import ArchSpec, SlotLayout, arch_of, is_captured_step
 from specpass.ir.families import MODELING_MODULES, SUPPORTED_ARCHITECTURES
-from specpass.passes import PassReport
+from specpass.passes import PassReport, Pipeline
 
 
 def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
@@ -46,6 +46,7 @@ class CompiledStep:
     report: PassReport
     arch: ArchSpec
     max_nodes: int  # largest tree the step is prepared for
+    pipeline: Pipeline  # the passes that ran (the options' pipeline, or the default fitted to the model)
 
     def __call__(self, input_ids, layout: SlotLayout):
         return self.run(input_ids, layout)
@@ -57,11 +58,12 @@ class CompiledStep:
 
 def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions) -> CompiledStep:
     """Run the pipeline on a captured step (verified after every pass) and lower it."""
-    rewritten, report = opts.pipeline.run(gm)
-    max_nodes = opts.pipeline.largest_tree()
+    pipeline = opts.pipeline_for(arch_of(gm))
+    rewritten, report = pipeline.run(gm)
+    max_nodes = pipeline.largest_tree()
     run, draft, resume = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes,
                                rewritten.k_cache.shape[3])  # fmt: skip
-    return CompiledStep(run, draft, resume, rewritten, report, arch_of(rewritten), max_nodes)
+    return CompiledStep(run, draft, resume, rewritten, report, arch_of(rewritten), max_nodes, pipeline)
 
 
 def check_dynamo_graph(gm: torch.fx.GraphModule) -> None:

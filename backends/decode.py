@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specpass.backends.guard import one_generation_at_a_time
 from specpass.backends.multi_candidate import accept_drawn, node_laws
 from specpass.backends.program import DecodeProgram
 from specpass.backends.sampling import TargetChoice
@@ -237,6 +238,7 @@ class SequenceState:
         )
 
 
+@one_generation_at_a_time
 def generate(
     program: DecodeProgram,
     input_ids: torch.Tensor,

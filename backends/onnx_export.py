@@ -15,7 +15,8 @@ Output directory: model.onnx (+ model.onnx.data when the weights are stored exte
 draft.onnx when the pipeline adds draft heads (`backends.onnx_draft`), observe.onnx and evict.onnx
 when it evicts the KV cache (`backends.onnx_eviction`), pipeline.json, manifest.json
 (inputs, outputs, shapes, meaning, the check's result) and the tokenizer's files when a tokenizer
-is given.
+is given. Everything is written to a hidden folder beside the output and renamed into place once
+checked, so an interrupted export never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -38,7 +40,7 @@ from specpass.backends.onnx_draft import export_draft
 from specpass.backends.onnx_eviction import export_eviction
 from specpass.backends.ort import RELATIVE_TOLERANCE, MANIFEST_VERSION, TOLERANCE, ort_session
 from specpass.errors import ExportError, SpecpassError
-from specpass.ir import ArchSpec, arch_of, capture, draft_graph, draft_spec
+from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
 from specpass.passes import Pipeline
 from specpass.rewrites.kv_eviction import EVICTION_META, KVEviction
 from specpass.rewrites.kv_eviction.base import attention_scales
@@ -122,7 +124,7 @@ def output_names(step: torch.fx.GraphModule) -> list[str]:
 
 def export(
     model: nn.Module,
-    pipeline: Pipeline,
+    pipeline: Pipeline | None,
     out_dir: str,
     *,
     tokenizer=None,
@@ -131,9 +133,13 @@ def export(
     check: bool = True,
     progress: bool = True,
 ) -> ExportResult:
-    """Export `model` rewritten by `pipeline` to `out_dir` (see module docstring). The model's dtype
-    (float32 or float16) is the exported dtype."""
+    """Export `model` rewritten by `pipeline` (None: the default fitted to the model, backends.options)
+    to `out_dir` (see module docstring). The model's dtype (float32 or float16) is the exported dtype."""
     from tqdm.auto import tqdm
+
+    from specpass.backends.options import default_pipeline
+
+    pipeline = pipeline if pipeline is not None else default_pipeline(arch_spec(model))
 
     dtype = next(model.parameters()).dtype
     if dtype not in TOLERANCE:
@@ -155,34 +161,53 @@ def export(
     onnx_program = _torch_export(step, arch, dtype)
     bar.update()
     stage(stages[2])
-    if os.path.isdir(out_dir) and force:
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    onnx_path = os.path.join(out_dir, "model.onnx")
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    onnx_program.save(onnx_path, external_data=weight_bytes > EXTERNAL_DATA_BYTES)
-    with open(os.path.join(out_dir, "pipeline.json"), "w") as f:
-        f.write(pipeline.to_json())
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    entries = {}
-    if draft_graph(step) is not None:  # a draft graph (ir.draft) goes to draft.onnx
-        entries["draft"] = export_draft(draft_graph(step), draft_spec(step), dtype, out_dir, check, _quiet_exporter)
-    if EVICTION_META in rewritten.meta:  # the policy's graphs go to observe.onnx, evict.onnx
-        policy, scales = rewritten.meta[EVICTION_META], attention_scales(rewritten)
-        entries["eviction"] = export_eviction(policy, scales, arch, dtype, out_dir, check, _quiet_exporter)
-    bar.update()
-    diffs = None
-    if check:
-        stage(stages[3])
-        sample_tokens = _sample_tokens(tokenizer, arch)
-        diffs = check_onnx(onnx_path, step, arch, dtype, sample_tokens)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.export-", dir=parent)
+    try:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        onnx_program.save(os.path.join(staging, "model.onnx"), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+        with open(os.path.join(staging, "pipeline.json"), "w") as f:
+            f.write(pipeline.to_json())
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        entries = {}
+        if draft_graph(step) is not None:  # a draft graph (ir.draft) goes to draft.onnx
+            entries["draft"] = export_draft(draft_graph(step), draft_spec(step), dtype, staging, check, _quiet_exporter)
+        if EVICTION_META in rewritten.meta:  # the policy's graphs go to observe.onnx, evict.onnx
+            policy, scales = rewritten.meta[EVICTION_META], attention_scales(rewritten)
+            entries["eviction"] = export_eviction(policy, scales, arch, dtype, staging, check, _quiet_exporter)
         bar.update()
-    bar.close()
-    manifest = _manifest(step, dtype, pipeline, model_name, weight_bytes > EXTERNAL_DATA_BYTES, diffs) | entries
-    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=2)
-    return ExportResult(out_dir, onnx_path, manifest, max(diffs.values()) if diffs else None)
+        diffs = None
+        if check:
+            stage(stages[3])
+            sample_tokens = _sample_tokens(tokenizer, arch)
+            diffs = check_onnx(os.path.join(staging, "model.onnx"), step, arch, dtype, sample_tokens)
+            bar.update()
+        manifest = _manifest(step, dtype, pipeline, model_name, weight_bytes > EXTERNAL_DATA_BYTES, diffs) | entries
+        with open(os.path.join(staging, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=2)
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return ExportResult(out_dir, os.path.join(out_dir, "model.onnx"), manifest, max(diffs.values()) if diffs else None)
+
+
+def _move_into_place(staging: str, out_dir: str) -> None:
+    """Rename the checked export `staging` to `out_dir` (an existing one, allowed by `force`, is renamed
+    aside first and deleted after): an interrupted export leaves no `out_dir` that looks complete."""
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)
+    old = None
+    if os.path.lexists(out_dir):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.old-", dir=os.path.dirname(staging))
+        os.rename(out_dir, os.path.join(old, "export"))
+    os.rename(staging, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _torch_export(step: torch.fx.GraphModule, arch: ArchSpec, dtype: torch.dtype):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError
+from specpass.ir import ArchSpec
 from specpass.passes import Pipeline
 from specpass.rewrites import TreeAttention
 
@@ -18,13 +19,20 @@ def check_budget(budget) -> None:
         raise InvalidParameterError(f"options['budget'] must be 'cost' or a positive int, got {budget!r}")
 
 
-def default_pipeline() -> Pipeline:
-    return Pipeline(TreeAttention())
+DEFAULT_TREE = 64  # nodes of the default pipeline's trees
+
+
+def default_pipeline(arch: ArchSpec | None = None) -> Pipeline:
+    """TreeAttention(64), or trees one node shorter than `arch`'s narrowest sliding window when that is
+    64 or less (a tree as deep as the window would not be exact, and TreeAttention refuses it)."""
+    window = arch.smallest_window if arch is not None else None
+    return Pipeline(TreeAttention(DEFAULT_TREE if window is None else max(1, min(DEFAULT_TREE, window - 1))))
 
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """pipeline: the rewrites applied to the captured step; drafter: who proposes the trees;
+    """pipeline: the rewrites applied to the captured step (None: `default_pipeline` fitted to the
+    model: TreeAttention(64), shorter below a sliding window of 64 or less); drafter: who proposes the trees;
     lowering: eager, onednn (float32 on CPU), gguf (the linears read the quantized blocks of the GGUF
     file the model was loaded from, on a CPU; not float32-exact: backends/gguf_lowering.py), inductor (TorchInductor; replayed in CUDA graphs on
     CUDA), cudagraphs (the FX step in CUDA graphs) or auto (inductor on CUDA; on a CPU with oneDNN
@@ -35,7 +43,7 @@ class CompileOptions:
     per second on the measured cost curve) or an int N (always the first N nodes: a fixed budget,
     e.g. the 64 nodes a GPU verifies at the price of one, for the largest tau)."""
 
-    pipeline: Pipeline = field(default_factory=default_pipeline)
+    pipeline: Pipeline | None = None
     drafter: Drafter = field(default_factory=default_drafter)
     lowering: str = "auto"
     cache_size: int = 2048
@@ -43,7 +51,7 @@ class CompileOptions:
 
     def __post_init__(self):
         check_budget(self.budget)
-        if not isinstance(self.pipeline, Pipeline):
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
             raise InvalidParameterError(f"options['pipeline'] must be a specpass.Pipeline, got {self.pipeline!r}")
         if not isinstance(self.drafter, Drafter):
             raise InvalidParameterError(f"options['drafter'] must be a specpass drafter, got {self.drafter!r}")
@@ -51,6 +59,10 @@ class CompileOptions:
             raise InvalidParameterError(f"options['lowering'] must be one of {LOWERINGS}, got {self.lowering!r}")
         if not isinstance(self.cache_size, int) or isinstance(self.cache_size, bool) or self.cache_size < 2:
             raise InvalidParameterError(f"options['cache_size'] must be an int >= 2, got {self.cache_size!r}")
+
+    def pipeline_for(self, arch: ArchSpec) -> Pipeline:
+        """The pipeline a model of `arch` runs: the given one, or the default fitted to it."""
+        return self.pipeline if self.pipeline is not None else default_pipeline(arch)
 
     @classmethod
     def from_mapping(cls, options: Mapping | None) -> CompileOptions:

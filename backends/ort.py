@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from specpass.errors import SpecpassError
+from specpass.errors import DamagedFileError, SpecpassError
 
 MANIFEST_VERSION = 2  # 2: the draft graph's entry is its DraftGraphSpec (ir.draft)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on an export's check, or:
@@ -38,7 +38,13 @@ def ort_session(onnx_path: str, device: torch.device, cuda_graphs: bool = False)
         providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]
-    session = ort.InferenceSession(onnx_path, options, providers=providers)
+    try:
+        session = ort.InferenceSession(onnx_path, options, providers=providers)
+    except (ort.capi.onnxruntime_pybind11_state.InvalidProtobuf, ort.capi.onnxruntime_pybind11_state.NoSuchFile,
+            ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.Fail) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DamagedFileError(f"ONNX Runtime cannot load {onnx_path} ({reason}); the export is damaged or "
+                               "incomplete: export it again (specpass export -o DIR --force)") from None  # fmt: skip
     if device.type == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
         # ORT falls back to the CPU EP when the CUDA provider library does not load: refuse instead.
         raise SpecpassError(
@@ -54,8 +60,14 @@ def read_manifest(directory: str) -> dict:
     path = os.path.join(directory, "manifest.json")
     if not os.path.exists(path):
         raise SpecpassError(f"{directory} holds no specpass export (no manifest.json); run `specpass export -o DIR`")
-    with open(path) as f:
-        manifest = json.load(f)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DamagedFileError(f"{path} is damaged ({type(exc).__name__}: {exc}); export the model again "
+                               "(specpass export -o DIR --force)") from None  # fmt: skip
+    if not isinstance(manifest, dict):
+        raise DamagedFileError(f"{path} is damaged (not a JSON object); export the model again (specpass export -o DIR --force)")
     if manifest.get("format_version") != MANIFEST_VERSION:
         raise SpecpassError(
             f"{path}: manifest format {manifest.get('format_version')!r}, this specpass reads format "

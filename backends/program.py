@@ -7,6 +7,7 @@ KV cache; `backends.onnxrt.OrtProgram` is the same step exported to ONNX and run
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +19,7 @@ from torch import nn
 from specpass.backends import cost, distributed
 from specpass.backends.compile import specpass_backend
 from specpass.backends.eviction import Eviction, GraphEviction
+from specpass.backends.guard import ProgramGuard
 from specpass.backends.kv import compact, compact_rows, keep_rows
 from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
@@ -83,6 +85,7 @@ class DecodeProgram(ABC):
         self.budget = budget  # "cost", or a fixed number of tree nodes per step
         self.drafter_memory = drafter.new_memory()
         self._cost: cost.CostCurve | None = None
+        self.guard = ProgramGuard()  # one generation at a time (backends.guard)
 
     rows = 1  # sequences the program's cache holds (batched decoding, backends.batch_decode)
     pad_token_id: int | None = None  # the model's pad token, when it has one (a batch's output padding)
@@ -227,17 +230,19 @@ class SpeculativeProgram(DecodeProgram):
         self.k_cache, self.v_cache = gm.k_cache, gm.v_cache
         self.device = self.k_cache.device
         self.cache_size = self.k_cache.shape[3]
-        self.verifies_trees = options.pipeline.verifies_trees()
+        self.pipeline = self.step.pipeline
+        self.verifies_trees = self.pipeline.verifies_trees()
         self.max_nodes = self.step.max_nodes
         if self.step.draft is not None:
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
         self.resumes_from_exit = self.step.resume is not None
-        self.tensor_parallel = options.pipeline.has(TensorParallel)
+        self.tensor_parallel = self.pipeline.has(TensorParallel)
         eviction = GraphEviction.of(gm)
         if eviction is not None:
             self.evict_with(eviction)
         if rows > 1:
             self._check_rows()
+        self.guard = ProgramGuard(model)  # and the weights it was built from, checked on every call
 
     def _check_rows(self) -> None:
         """Refuse what a program of several rows does not run (see the class docstring)."""
@@ -341,19 +346,25 @@ class SpeculativeProgram(DecodeProgram):
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BUILDING = threading.Lock()  # one thread builds or looks up programs at a time
 
 
 def program_for(model: nn.Module, options: CompileOptions, rows: int = 1) -> SpeculativeProgram:
     """The program of (model, options) with a cache of `rows` sequences, built once and reused while
-    the model lives (or until `forget_programs`)."""
-    programs = _PROGRAMS.setdefault(model, {})
-    if (options, rows) not in programs:
-        programs[options, rows] = SpeculativeProgram(model, options, rows)
-    return programs[options, rows]
+    the model lives and its weights stay the ones it was built from (backends.guard); after a weight
+    change every program of the model is dropped and this one is built again."""
+    with _BUILDING:
+        programs = _PROGRAMS.setdefault(model, {})
+        program = programs.get((options, rows))
+        if program is not None and program.guard.stale() is not None:
+            programs.clear()
+            program = None
+        if program is None:
+            program = programs[options, rows] = SpeculativeProgram(model, options, rows)
+        return program
 
 
 def forget_programs(model: nn.Module) -> None:
-    """Drop the programs built for `model`. A lowered program keeps copies of some weights (fused
-    projections, prepacked oneDNN weights), so after the model's weights change in place (e.g.
-    ladder_training) the next program must be built from them."""
-    _PROGRAMS.pop(model, None)
+    """Drop the programs built for `model` (program_for also drops them when the weights change)."""
+    with _BUILDING:
+        _PROGRAMS.pop(model, None)

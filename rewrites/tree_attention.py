@@ -93,9 +93,10 @@ class TreeAttention(Pass):
         before = len(graph.nodes)
         graph.eliminate_dead_code()
         removed = before - len(graph.nodes)
-        return PassResult(
-            gm, True, f"added inputs tree_mask, cache_slots; replaced the chain mask; removed {removed} dead nodes"
-        )
+        window = arch_of(gm).smallest_window if is_captured_step(gm) else None
+        below = f", below the narrowest sliding window ({window})" if window is not None else ""
+        return PassResult(gm, True, f"trees of up to {self.max_nodes} nodes{below}; added inputs tree_mask, cache_slots; "
+                                    f"replaced the chain mask; removed {removed} dead nodes")  # fmt: skip
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """Every layer attends through the slot-layout mask of the tree inputs, and every cache write

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import WINDOW, tiny_model
 
 import specpass
 from specpass.errors import InvalidParameterError, SpecpassError
@@ -97,3 +97,18 @@ def test_drafter_memory_lives_with_the_program_until_forget():
     assert program.drafter_memory[1] is table and torch.equal(second.sequences, first.sequences)
     program.forget()
     assert len(program.drafter_memory[1]) == 0
+
+
+def test_the_default_pipeline_fits_a_narrow_sliding_window():
+    """A model whose sliding window (18) is narrower than the default trees (64): the default pipeline
+    verifies trees one node shorter than the window (the report says so) and decodes exactly; trees as
+    deep as the window, asked for explicitly, stay refused."""
+    model = tiny_model("mistral")
+    options = {"budget": 8}
+    program = specpass.compile_program(model, options)
+    assert program.max_nodes == WINDOW - 1 and f"below the narrowest sliding window ({WINDOW})" in str(program.report)
+    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(5))  # longer than the window
+    out = specpass.generate(model, ids, max_new_tokens=24, eos_token_id=[], options=options)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None))
+    with pytest.raises(specpass.SpecpassError, match=f"use max_nodes < {WINDOW}"):
+        specpass.compile_program(model, {"pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(64))})

@@ -95,6 +95,31 @@ def test_an_incomplete_entry_is_replaced(tmp_path, monkeypatch, fake_gguf):
     assert len(made) == 2 and models._cache_entry(path) != entry
 
 
+@pytest.mark.parametrize("damage", ["cut short", "deleted", "marker unreadable"])
+def test_a_damaged_entry_is_noticed_and_converted_again(tmp_path, monkeypatch, fake_gguf, damage):
+    """A cache entry whose files no longer match its marker (a copy cut short after the marker was
+    written, a full disk) is converted again with a warning, never read."""
+    monkeypatch.setenv("SPECPASS_CACHE", str(tmp_path / "cache"))
+    path, made = fake_gguf
+    models.load_gguf(path)
+    entry = models._cache_entry(path)
+    weights = os.path.join(entry, "model.safetensors")
+    if damage == "cut short":
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    elif damage == "deleted":
+        os.remove(weights)
+    else:
+        with open(os.path.join(entry, models.MARKER), "w") as f:
+            f.write("{")
+    with pytest.warns(UserWarning, match="damaged"):
+        model, _ = models.load_gguf(path)
+    assert made == [path, path]
+    _assert_same_model(tiny_model("llama"), model)
+    models.load_gguf(path)  # whole again: read from the cache
+    assert made == [path, path]
+
+
 def test_an_unwritable_cache_converts_every_time(tmp_path, monkeypatch, fake_gguf):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")

@@ -2,10 +2,11 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
-from conftest import NEW_TOKENS, tiny_model
+from conftest import NEW_TOKENS, at_once, tiny_model
 
 import specpass
 from specpass.backends.onnx_export import export
@@ -184,6 +185,38 @@ class _Unexportable(Pass):
         return PassResult(gm, False)
 
 
+def test_a_damaged_export_is_one_clear_error(tiny_exports, tmp_path):
+    """A damaged model.onnx or manifest.json: DamagedFileError naming the file and how to remake it."""
+    source = tiny_exports["llama"][1].directory
+    for name, damage in (("model.onnx", b"\x08\x07garbage"), ("manifest.json", b"{")):
+        broken = str(tmp_path / name)
+        shutil.copytree(source, broken)
+        with open(os.path.join(broken, name), "wb") as f:
+            f.write(damage)
+        with pytest.raises(specpass.DamagedFileError, match=rf"{name}.*export") as raised:
+            specpass.load_onnx(broken)
+        assert len(str(raised.value).splitlines()) == 1
+
+
+def test_an_interrupted_export_leaves_nothing_that_looks_complete(tiny_exports, tmp_path, monkeypatch):
+    """The export is written beside its directory and renamed into place once checked: interrupted in
+    its checks while replacing an export (force), it leaves the old export whole and nothing else."""
+    import specpass.backends.onnx_export as onnx_export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    model = tiny_exports["llama"][0]
+    monkeypatch.setattr(onnx_export, "check_onnx", interrupted)
+    kept = str(tmp_path / "kept")
+    shutil.copytree(tiny_exports["llama"][1].directory, kept)
+    before = sorted(os.listdir(kept))
+    with pytest.raises(KeyboardInterrupt):
+        export(model, TREE, kept, force=True, progress=False)
+    assert os.listdir(tmp_path) == ["kept"] and sorted(os.listdir(kept)) == before
+    specpass.load_onnx(kept)
+
+
 def test_export_errors(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -226,6 +259,14 @@ def test_default_model_on_ort_equals_hf_greedy(default_export, cases, drafter):
     program = specpass.load_onnx(default_export, drafter=drafter_by_name(drafter), budget=16)  # no curve to measure
     for ids, reference in cases[::2]:  # a code and a chat case (the batch test below decodes all four)
         out = specpass.generate(program, ids, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(out.sequences, reference)
+
+
+def test_threads_on_one_ort_program_each_get_their_own_exact_output(default_export, cases):
+    """Four threads call `generate` at once on one ONNX Runtime program: each output is HF greedy's."""
+    program = specpass.load_onnx(default_export, budget=16)
+    outs = at_once([lambda ids=ids: specpass.generate(program, ids, max_new_tokens=NEW_TOKENS) for ids, _ in cases])
+    for out, (_, reference) in zip(outs, cases):
         assert torch.equal(out.sequences, reference)
 
 
@@ -286,10 +327,12 @@ def test_cli_exports_a_local_hf_directory(tmp_path, capsys):
     model = tiny_model("mistral")
     model.save_pretrained(tmp_path / "hf")
     out = tmp_path / "out"
-    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check"]) == 2  # 64-node trees, window 18
+    too_deep = specpass.Pipeline(specpass.rewrites.TreeAttention(64)).to_json()  # trees as deep as the window (18)
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check", "--pipeline", too_deep]) == 2
     assert "use max_nodes < 18" in capsys.readouterr().err and not out.exists()
-    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check", "--pipeline", TREE.to_json()]) == 0
+    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check"]) == 0  # the default fits the window
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["architecture"] == "MistralForCausalLM" and manifest["check"] == "skipped"
+    assert manifest["pipeline"]["passes"] == [{"pass": "TreeAttention", "params": {"max_nodes": 17}}]
     assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--pipeline", TREE.to_json()]) == 2  # no --force
     assert main(["export", str(tmp_path / "missing"), "-o", str(tmp_path / "o2")]) == 2

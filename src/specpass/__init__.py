@@ -11,12 +11,14 @@ from specpass.backends.decode import Generation, GenerationStats
 from specpass.backends.options import CompileOptions
 from specpass.errors import (
     CacheCapacityError,
+    DamagedFileError,
     ExportError,
     GraphVerificationError,
     InvalidParameterError,
     PassMismatchError,
     PassPipelineError,
     SpecpassError,
+    StaleProgramError,
     UnsupportedArchitectureError,
     UnsupportedSettingError,
 )
@@ -27,6 +29,7 @@ from specpass.passes import Pipeline
 __all__ = [
     "BatchGeneration",
     "CacheCapacityError",
+    "DamagedFileError",
     "CompileOptions",
     "ExportError",
     "Generation",
@@ -37,6 +40,7 @@ __all__ = [
     "PassPipelineError",
     "Pipeline",
     "SpecpassError",
+    "StaleProgramError",
     "UnsupportedArchitectureError",
     "UnsupportedSettingError",
     "compile_program",

@@ -29,12 +29,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _pipeline(text: str | None):
+def _pipeline(text: str | None, model=None):
+    """The --pipeline given, or (text None) the default pipeline fitted to `model` (backends.options)."""
     from specpass.backends.options import default_pipeline
+    from specpass.ir import arch_spec
     from specpass.passes import Pipeline
 
     if text is None:
-        return default_pipeline()
+        return default_pipeline(arch_spec(model) if model is not None else None)
     if os.path.exists(text):
         with open(text) as f:
             text = f.read()
@@ -68,6 +70,7 @@ def _pytorch_runs(args: argparse.Namespace):
     model, tokenizer, _ = load_model(args.model)
     if tokenizer is None:
         raise InvalidParameterError(f"{args.model} holds no tokenizer files; generate needs them to encode --prompt")
+    pipeline = _pipeline(args.pipeline, model)
     if args.heads is not None:
         pipeline = Pipeline(*pipeline, DraftHeads(kind=args.heads, heads=args.heads_dir or "default"))
     options = {"pipeline": pipeline, "drafter": drafter_by_name(args.drafter)}
@@ -200,8 +203,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from specpass.backends.onnx_export import DTYPES, export
     from specpass.models import load_model
 
-    pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
+    _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
     model, tokenizer, name = load_model(args.model, dtype=DTYPES[args.dtype])
+    pipeline = _pipeline(args.pipeline, model)
     with torch.no_grad():
         result = export(model, pipeline, args.output, tokenizer=tokenizer, model_name=name,
                         force=args.force, check=not args.no_check)  # fmt: skip
@@ -322,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "SmolLM2-135M-Instruct); onnxrt: a `specpass export` directory")  # fmt: skip
     gen.add_argument("--device", default="cpu", help="onnxrt: cpu (CPU EP) or cuda (CUDA EP)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    gen.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention)")
+    gen.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention(64), "
+                     "shorter below a sliding window of 64 or less)")
     gen.add_argument("--drafter", choices=DRAFTER_NAMES, default="combined")
     gen.add_argument("--heads", choices=("medusa", "hydra"), help="add draft heads to the pipeline (pytorch)")
     gen.add_argument("--heads-dir", help="trained heads (default: the ones shipped for the default model)")
@@ -339,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="write the rewritten decode step as an ONNX model, checked on ORT")
     exp.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
     exp.add_argument("-o", "--output", required=True, help="output directory")
-    exp.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention)")
+    exp.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention(64), "
+                     "shorter below a sliding window of 64 or less)")
     exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     exp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
     exp.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ORT/PyTorch comparison")

@@ -35,3 +35,12 @@ class ExportError(SpecpassError):
 
 class UnsupportedSettingError(SpecpassError, ValueError):
     """A generation setting specpass does not implement (refused, never ignored)."""
+
+
+class StaleProgramError(SpecpassError):
+    """A program's model changed its weights after the program was built (backends.guard)."""
+
+
+class DamagedFileError(SpecpassError):
+    """A file specpass wrote (an export, trained heads or adapter) is damaged or incomplete; the message
+    names it and how to make it again."""

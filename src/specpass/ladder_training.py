@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpass.backends.program import forget_programs
-from specpass.errors import InvalidParameterError
+from specpass.errors import DamagedFileError, InvalidParameterError
 from specpass.heads.io import check_model, model_fingerprint, read_json
 from specpass.heads.train import Continuation, cosine_adamw, teacher
 from specpass.rewrites.ladder_residual import LadderResidual
@@ -177,13 +177,20 @@ def save_recovered(model: nn.Module, ladder: LadderResidual, directory: str, rep
 def load_recovered(model: nn.Module, directory: str) -> LadderResidual:
     """Load recovered laddered layers into `model` (in place); returns the ladder to compile it with.
     Refused for another model than the one they were trained for."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    data = read_json(directory, CONFIG, "recovered ladder", "fine-tune one with specpass.ladder_training")
+    hint = "fine-tune one again with specpass.ladder_training.recover_ladder"
+    data = read_json(directory, CONFIG, "recovered ladder", hint)
+    if not isinstance(data.get("model"), str) or not isinstance(data.get("layers"), list):
+        raise DamagedFileError(f"{os.path.join(directory, CONFIG)} is not a recovered ladder's config; {hint}")
     check_model(data["model"], model.lm_head, directory, "recovered ladder")
     ladder = LadderResidual(tuple(data["layers"]))
     params = layer_parameters(model, ladder.resolved(model.config.num_hidden_layers))
-    tensors = load_file(os.path.join(directory, WEIGHTS))
+    try:
+        tensors = load_file(os.path.join(directory, WEIGHTS))
+    except (OSError, SafetensorError) as exc:
+        raise DamagedFileError(f"{os.path.join(directory, WEIGHTS)} is damaged ({exc}); {hint}") from None
     if set(tensors) != set(params):
         raise InvalidParameterError(f"{directory}: its weights do not match the model's layers {data['layers']}")
     with torch.no_grad():

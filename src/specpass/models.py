@@ -3,7 +3,9 @@
 Converting a GGUF file (transformers parses its metadata and de-quantizes every tensor) takes half
 a minute on a CPU core, on every load. The first load of a GGUF file keeps the conversion, float32
 safetensors and the tokenizer's files, in the cache folder (`cache_dir()`, ~540 MB for the default
-model); later loads read that in a second or two. The cache entry is keyed by the file's path, size
+model); later loads read that in a second or two; the entry's completion marker records every file's size,
+and an entry whose files no longer match (a copy cut short, a full disk) is converted again, with a
+warning. The cache entry is keyed by the file's path, size
 and modification time and by the transformers version, written under a file lock to a temporary
 folder and renamed into place, so concurrent loads convert once and never read a half-written entry.
 Entries are never pruned: a new transformers version or a reinstalled file leaves the old one behind.
@@ -17,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 
 import safetensors.torch
 import torch
@@ -39,7 +42,8 @@ def default_model_dir() -> str:
     return folder
 
 
-CACHE_FORMAT = 1  # bump when what a cache entry holds changes
+CACHE_FORMAT = 2  # bump when what a cache entry holds changes (2: the marker records every file's size)
+MARKER = "specpass-complete.json"
 
 
 def cache_dir() -> str:
@@ -62,6 +66,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     entry = _cache_entry(path)
+    damage = _damage(entry) if os.path.exists(os.path.join(entry, MARKER)) else None
+    if damage is not None:
+        warnings.warn(f"specpass: the converted model in {entry} is damaged ({damage}); converting it again", stacklevel=2)
     if not _complete(entry):
         unstored = _convert_once(path, entry, dtype)
         if unstored is not None:  # the cache could not keep it: this load's own conversion
@@ -105,7 +112,23 @@ def _cache_entry(path: str) -> str:
 
 
 def _complete(entry: str) -> bool:
-    return os.path.exists(os.path.join(entry, "specpass-complete.json"))
+    return os.path.exists(os.path.join(entry, MARKER)) and _damage(entry) is None
+
+
+def _damage(entry: str) -> str | None:
+    """What is wrong with a cache entry that has its marker (a file cut short or missing), or None."""
+    try:
+        with open(os.path.join(entry, MARKER)) as f:
+            sizes = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MARKER} is unreadable"
+    for name, size in sizes.items():
+        path = os.path.join(entry, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, {size} were written"
+    return None
 
 
 def _convert(path: str, dtype: torch.dtype):
@@ -138,8 +161,10 @@ def _store(model, tokenizer, entry: str, path: str) -> None:
         model.generation_config.save_pretrained(staging)
         safetensors.torch.save_model(model, os.path.join(staging, "model.safetensors"))  # tied weights once
         tokenizer.save_pretrained(staging)
-        with open(os.path.join(staging, "specpass-complete.json"), "w") as f:
-            json.dump({"gguf": os.path.abspath(path), "format": CACHE_FORMAT}, f)
+        files = sorted(name for name in os.listdir(staging) if os.path.isfile(os.path.join(staging, name)))
+        sizes = {name: os.path.getsize(os.path.join(staging, name)) for name in files}
+        with open(os.path.join(staging, MARKER), "w") as f:
+            json.dump({"gguf": os.path.abspath(path), "format": CACHE_FORMAT, "files": sizes}, f)
         os.rename(staging, entry)
     except OSError:
         if staging is not None:

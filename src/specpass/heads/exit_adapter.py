@@ -18,7 +18,6 @@ drafted token.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -108,11 +107,13 @@ def save_exit_adapter(adapter: ExitAdapter, config: ExitAdapterConfig, directory
     save_module(adapter, config, directory, ADAPTER_WEIGHTS, ADAPTER_CONFIG, dtype)
 
 
+ADAPTER_HINT = "train one with `specpass train-heads --kind exit-adapter --layer K` (the shipped one: reinstall specpass)"
+
+
 def read_exit_adapter_config(directory: str) -> ExitAdapterConfig:
     from specpass.heads.io import ADAPTER_CONFIG, read_json
 
-    hint = "train one with `specpass train-heads --kind exit-adapter --layer K`"
-    data = read_json(directory, ADAPTER_CONFIG, "exit adapter", hint)
+    data = read_json(directory, ADAPTER_CONFIG, "exit adapter", ADAPTER_HINT)
     try:
         return ExitAdapterConfig(**data)
     except TypeError as exc:
@@ -121,13 +122,11 @@ def read_exit_adapter_config(directory: str) -> ExitAdapterConfig:
 
 def load_exit_adapter(directory: str, lm_head: nn.Module) -> ExitAdapter:
     """The adapter in `directory`, on the LM head's device and dtype; refused for another model."""
-    from safetensors.torch import load_file
-
-    from specpass.heads.io import ADAPTER_WEIGHTS, check_model
+    from specpass.heads.io import ADAPTER_WEIGHTS, check_model, load_weights
 
     config = read_exit_adapter_config(directory)
     check_model(config.model, lm_head, directory, "exit adapter")
     adapter = ExitAdapter(config)
-    adapter.load_state_dict(load_file(os.path.join(directory, ADAPTER_WEIGHTS)))
+    load_weights(adapter, directory, ADAPTER_WEIGHTS, ADAPTER_HINT)
     weight = lm_head.weight
     return adapter.to(device=weight.device, dtype=weight.dtype).eval()

@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from specpass.errors import InvalidParameterError, SpecpassError
+from specpass.errors import DamagedFileError, InvalidParameterError, SpecpassError
 from specpass.heads.modules import HeadsConfig, make_heads
 
 WEIGHTS = "heads.safetensors"
@@ -62,8 +62,28 @@ def read_json(directory: str, config_name: str, what: str, hint: str) -> dict:
     path = os.path.join(directory, config_name)
     if not os.path.exists(path):
         raise InvalidParameterError(f"no {what} at {directory!r} (no {config_name}); {hint}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DamagedFileError(f"{path} is damaged ({type(exc).__name__}: {exc}); {hint}") from None
+    if not isinstance(data, dict):
+        raise DamagedFileError(f"{path} is damaged (not a JSON object); {hint}")
+    return data
+
+
+def load_weights(module: nn.Module, directory: str, weights: str, hint: str) -> None:
+    """`module`'s state from the safetensors file `weights` in `directory`; a damaged or mismatched file
+    is one line naming it and `hint` (how to make it again)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = os.path.join(directory, weights)
+    try:
+        module.load_state_dict(load_file(path))
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DamagedFileError(f"{path} is damaged or does not match its JSON config ({reason}); {hint}") from None
 
 
 def check_model(trained_for: str, lm_head: nn.Module, directory: str, what: str) -> None:
@@ -93,19 +113,23 @@ def save_heads(heads: nn.Module, config: HeadsConfig, directory: str, dtype: tor
     save_module(heads, config, directory, WEIGHTS, CONFIG, dtype)
 
 
+HEADS_HINT = "train them again with `specpass train-heads --kind medusa|hydra --out DIR` (the shipped ones: reinstall specpass)"
+
+
 def read_config(directory: str) -> HeadsConfig:
-    data = read_json(directory, CONFIG, "draft heads", "train some with `specpass train-heads`")
-    data["accuracy"] = tuple(tuple(row) for row in data.get("accuracy", ()))
-    return HeadsConfig(**data)
+    data = read_json(directory, CONFIG, "draft heads", HEADS_HINT)
+    try:
+        data["accuracy"] = tuple(tuple(row) for row in data.get("accuracy", ()))
+        return HeadsConfig(**data)
+    except (TypeError, ValueError) as exc:
+        raise DamagedFileError(f"{os.path.join(directory, CONFIG)} is not a heads config ({exc}); {HEADS_HINT}") from None
 
 
 def load_heads(directory: str, lm_head: nn.Module) -> tuple[nn.Module, HeadsConfig]:
     """Heads from `directory`, on the LM head's device and dtype; refused for another model."""
-    from safetensors.torch import load_file
-
     config = read_config(directory)
     check_model(config.model, lm_head, directory, "heads")
     heads = make_heads(config)
-    heads.load_state_dict(load_file(os.path.join(directory, WEIGHTS)))
+    load_weights(heads, directory, WEIGHTS, HEADS_HINT)
     weight = lm_head.weight
     return heads.to(device=weight.device, dtype=weight.dtype).eval(), config
