@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +73,7 @@ class CostCurve:
 
 
 def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 256, repeats: int = 3,
-            min_seconds: float = 0.05) -> CostCurve:  # fmt: skip
+            min_seconds: float = 0.05, clock: Callable[[], float] = time.perf_counter) -> CostCurve:  # fmt: skip
     """Median latency per size of `forward(tokens, layout)` (a program's verify forward) on a chain
     of `size` tokens after `kv_len - size` cached slots.
 
@@ -82,7 +82,8 @@ def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 2
     within a few percent, so the median of three suffices (the curve was 70 forwards per lowering
     with two warm-ups and five runs: 18 s of a 22 s first call on the default model); a CUDA-graph
     replay takes a few hundred microseconds, where five runs left the curve noisy on an H100 (12
-    nodes 2.4x one token, 64 nodes 1.5x), so it runs until 50 ms have passed.
+    nodes 2.4x one token, 64 nodes 1.5x), so it runs until 50 ms have passed. `clock`: seconds, for a
+    test to inject.
     """
     seconds = []
     for size in sizes:
@@ -92,10 +93,10 @@ def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 2
         samples: list[float] = []
         while len(samples) < repeats or sum(samples) < min_seconds:
             _synchronize(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             forward(tokens, layout)
             _synchronize(device)
-            samples.append(time.perf_counter() - t0)
+            samples.append(clock() - t0)
         seconds.append(statistics.median(samples))
     return CostCurve(tuple(sizes), tuple(seconds))
 

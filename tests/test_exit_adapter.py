@@ -1,6 +1,8 @@
 """The exit adapter (heads.exit_adapter, heads.exit_training) and EarlyExit through it: the module,
 saving and loading it, training it, the draft graph it makes, losslessness, and where it must not apply."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import check_default_model_greedy, draft_then_resume, self_draft_taus_equal_to_hf_greedy, tiny_model
@@ -148,12 +150,27 @@ def test_training_moves_the_adapter_toward_the_model_and_saves_it(tmp_path):
         train_exit_adapter(model, corpus, held_out, ExitTrainConfig(layer=2), progress=False)
 
 
-def test_the_shipped_adapter_belongs_to_the_default_model_and_is_trained(default_model):
+@torch.no_grad()
+def test_the_shipped_adapter_belongs_to_the_default_model_and_is_trained(default_model, cases):
+    """Measured on the four test cases' greedy continuations (256 positions): the shipped adapter's
+    top-1 agrees with the full model far more often than the plain exit at its layer (3-5 % at layers
+    4-8 on held-out text, docs/experiments.md; the JSON records 49.9 %)."""
     model, _ = default_model
     config = read_exit_adapter_config(shipped_heads("exit_adapter"))
     assert config.model == model_fingerprint(model.lm_head) and 1 <= config.layer <= 8
-    assert config.agreement >= 0.4  # a plain exit at layers 4-8 agrees 3-5 % (docs/experiments.md)
-    load_exit_adapter(shipped_heads("exit_adapter"), model.lm_head)
+    adapter = load_exit_adapter(shipped_heads("exit_adapter"), model.lm_head)
+    plain = plain_exit_adapter(config, model.model.norm.weight, model.lm_head.weight, adapter.vocab)
+    agree = {"adapter": 0, "plain": 0}
+    positions = 0
+    for ids, reference in cases:
+        out = model(reference, output_hidden_states=True)
+        start = ids.shape[1] - 1  # the positions whose next token is a generated one
+        target = out.logits[0, start:-1].argmax(-1)  # [N]: the full model's greedy tokens
+        stream = out.hidden_states[config.layer][0, start:-1]  # [N, H]: after layers [0, layer)
+        for name, module in (("adapter", adapter), ("plain", plain)):
+            agree[name] += int((module.vocab[module(stream).argmax(-1)] == target).sum())
+        positions += len(target)
+    assert agree["adapter"] / positions >= 0.3 and agree["adapter"] >= 3 * agree["plain"], (agree, positions)
 
 
 def test_the_shipped_adapter_on_the_default_model_equals_hf_greedy_with_eos_inside_a_draft_and_the_length_limit(
@@ -166,9 +183,17 @@ def test_the_shipped_adapter_on_the_default_model_equals_hf_greedy_with_eos_insi
     check_default_model_greedy(model, cases, options, min_tau=1.3)
 
 
-def test_the_adaptive_self_draft_in_the_combined_tree_on_the_default_model_equals_hf_greedy(default_model, cases):
+def test_the_adaptive_self_draft_in_the_combined_tree_on_the_default_model_equals_hf_greedy(
+    default_model, cases, monkeypatch
+):
+    """The depth controller steers by an injected clock (a millisecond per reading) and the trees have
+    a fixed budget: the steps, and so the tau asserted, do not depend on the machine's speed."""
+    from specpass.drafters import self_draft
+
+    ticks = itertools.count()
+    monkeypatch.setattr(self_draft, "clock", lambda: next(ticks) * 1e-3)
     model, _ = default_model
     layer = read_exit_adapter_config(shipped_heads("exit_adapter")).layer
     options = {"pipeline": specpass.Pipeline(TreeAttention(64), EarlyExit(layer, adapter="default")),
-               "drafter": Combined(SelfDraft(4, adaptive=True), PromptLookup(), TokenRecycling())}  # fmt: skip
+               "drafter": Combined(SelfDraft(4, adaptive=True), PromptLookup(), TokenRecycling()), "budget": 16}  # fmt: skip
     check_default_model_greedy(model, cases, options, min_tau=1.5)

@@ -5,7 +5,7 @@ ONNX round trips: tests/test_onnx.py; Qwen3 and Gemma 3 are exported and decoded
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, char_tokenizer, tiny_model
+from conftest import FIXED_BUDGET, TINY_ARCHS, char_tokenizer, tiny_model
 
 import specpass
 from specpass.drafters import Combined, DraftTree, PromptLookup, TokenRecycling
@@ -46,7 +46,8 @@ def test_speculative_greedy_equals_hf_greedy_with_every_training_free_drafter(ar
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # a peaked next-token law, so drafts get accepted
     for drafter in (PromptLookup(), TokenRecycling(), Combined(PromptLookup(), TokenRecycling())):
-        options = {"pipeline": specpass.Pipeline(TreeAttention(16)), "drafter": drafter, "cache_size": 128}
+        options = {"pipeline": specpass.Pipeline(TreeAttention(16)), "drafter": drafter, "cache_size": 128,
+                   "budget": FIXED_BUDGET}  # fixed trees: tau does not depend on a timed cost curve
         taus = []
         for seed in range(3):
             ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)

@@ -1,5 +1,4 @@
 import random
-import time
 
 import pytest
 import torch
@@ -183,6 +182,10 @@ def test_head_stats_feed_both_trees():
 
 
 def test_cost_curve_times_fast_steps_until_enough_time_has_passed():
+    """On an injected clock that each forward advances by its delay (powers of two: exact sums): a
+    15.6 ms step is timed the five repeats asked for (78 ms > 62.5 ms); a 0.49 ms step until 62.5 ms of
+    samples have been taken (128 of them)."""
+    now = [0.0]
     calls = {}
 
     def forward(delay):
@@ -190,15 +193,18 @@ def test_cost_curve_times_fast_steps_until_enough_time_has_passed():
             assert layout.size == len(tokens) and layout.kv_len == 256  # a chain after 256 - T cached slots
             assert torch.equal(layout.ancestors, torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril())
             calls[delay, len(tokens)] = calls.get((delay, len(tokens)), 0) + 1
-            time.sleep(delay)
+            now[0] += delay
 
         return run
 
-    slow = measure(forward(0.012), torch.device("cpu"), (1, 4), repeats=5, min_seconds=0.05)
-    assert calls[0.012, 1] == calls[0.012, 4] == 1 + 5  # warm-up + repeats: 5 x 12 ms passes 50 ms
-    assert all(0.012 <= s < 0.1 for s in slow.seconds)
-    measure(forward(0.0005), torch.device("cpu"), (1, 4), repeats=5, min_seconds=0.05)
-    assert calls[0.0005, 1] > 1 + 5 and calls[0.0005, 4] > 1 + 5  # sub-ms steps: more runs, to 50 ms of samples
+    def clock():
+        return now[0]
+
+    slow, fast, enough = 2.0**-6, 2.0**-11, 2.0**-4
+    curve = measure(forward(slow), torch.device("cpu"), (1, 4), repeats=5, min_seconds=enough, clock=clock)
+    assert calls[slow, 1] == calls[slow, 4] == 1 + 5 and curve.seconds == (slow, slow)  # warm-up + repeats
+    curve = measure(forward(fast), torch.device("cpu"), (1, 4), repeats=5, min_seconds=enough, clock=clock)
+    assert calls[fast, 1] == calls[fast, 4] == 1 + 128 and curve.seconds == (fast, fast)  # until 62.5 ms of samples
 
 
 def test_token_recycling_table_is_inherited_by_the_next_generation():

@@ -36,6 +36,8 @@ from specpass.ir.layout import SlotLayout
 EARLY_EXIT_KIND = "early-exit"  # rewrites.EarlyExit's draft-graph kind
 PRIOR = 0.3  # P(a drafted token is accepted | its parent was), before any outcome is seen (no measured agreement)
 
+clock = time.perf_counter  # the adaptive controller's seconds (a test injects its own)
+
 
 @dataclass(frozen=True)
 class SelfDraft(Drafter):
@@ -75,7 +77,7 @@ class SelfDraftSession(DraftSession):
 
     @torch.no_grad()
     def candidates(self, tokens: Sequence[int]) -> _Chain:
-        now = time.perf_counter()
+        now = clock()
         if self.controller is not None and self.step_started is not None:
             self.controller.measure(now - self.step_started, self.calls, self.call_seconds, self.emitted,
                                     self.from_chain, self.resumed)  # fmt: skip
@@ -96,7 +98,7 @@ class SelfDraftSession(DraftSession):
                 best = logits[0, 0].argmax()
                 token = int(best if self.vocab_output is None else outputs[self.vocab_output][best])
                 chain.append(token)
-        self.calls, self.call_seconds = len(states), time.perf_counter() - now
+        self.calls, self.call_seconds = len(states), clock() - now
         self.chain, self.states = tuple(chain), torch.stack(states) if states else None
         return _Chain(self.chain[1:], self.stats)
 
