@@ -12,30 +12,75 @@ from specpass.rewrites import TreeAttention
 
 FIXED_TREES = {"budget": FIXED_BUDGET}  # no cost curve to measure
 HOOK = specpass.custom_generate(FIXED_TREES)
-GREEDY_SETTINGS = {
-    "repetition_penalty": dict(repetition_penalty=1.3),
-    "no_repeat_ngram_size": dict(no_repeat_ngram_size=3),
-    "min_new_tokens": dict(min_new_tokens=40),
-    "bad_words_ids": dict(bad_words_ids=[[28705], [13]]),
-    "several": dict(repetition_penalty=1.2, no_repeat_ngram_size=4, suppress_tokens=[198]),
-}
+ONE_NODE = specpass.custom_generate({"budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1))})
 
 
-@pytest.mark.parametrize("name", list(GREEDY_SETTINGS))
-def test_greedy_with_processors_equals_hf_generate(default_model, cases, name):
+def _seen_settings(continuation: list[int], eos: int) -> dict:
+    """Each greedy setting the hook honours, built on a case's own greedy continuation so that HF's output
+    differs from plain greedy (the test asserts it: a setting the hook ignored would show)."""
+    t0, t1 = continuation[:2]
+    return {
+        "repetition_penalty": dict(repetition_penalty=1.5),
+        "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+        "bad_words_ids": dict(bad_words_ids=[[t0]]),
+        "bad_words_ids (a pair)": dict(bad_words_ids=[[t0, t1]]),  # t1 is banned right after t0
+        "sequence_bias": dict(sequence_bias={(t0,): -50.0}),
+        "sequence_bias (a pair)": dict(sequence_bias={(t0, t1): -50.0}),
+        "suppress_tokens": dict(suppress_tokens=[t0]),
+        "begin_suppress_tokens": dict(begin_suppress_tokens=[t0]),
+        "forced_eos_token_id": dict(forced_eos_token_id=eos),  # the last token allowed is EOS
+        "exponential_decay_length_penalty": dict(exponential_decay_length_penalty=(2, 3.0)),  # EOS soon after 2
+        "max_time": dict(max_time=0.0),  # MaxTimeCriteria: over at the first check, after one token
+    }
+
+
+SEEN = list(_seen_settings([0, 1], 2))
+
+
+@pytest.mark.parametrize("name", SEEN)
+def test_each_greedy_setting_changes_hf_output_and_the_hook_equals_it(default_model, cases, name):
     model, _ = default_model
-    settings = GREEDY_SETTINGS[name]
-    for ids, _ in cases[:1] + cases[3:4] if name == "several" else cases[:1]:  # all together: code and chat
-        reference = model.generate(ids, max_new_tokens=48, do_sample=False, **settings)
-        out = model.generate(ids, max_new_tokens=48, do_sample=False, custom_generate=HOOK, **settings)
+    ids, reference = cases[0]
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    settings = _seen_settings(reference[0, ids.shape[1] :].tolist(), eos)[name]
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False, **settings)
+    assert not torch.equal(expected, reference[:, : ids.shape[1] + 16])  # the case sees the setting
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=HOOK, **settings)
+    assert torch.equal(out, expected)
+
+
+def test_several_settings_at_once_on_code_and_chat(default_model, cases):
+    """remove_invalid_values and renormalize_logits cannot change a finite model's greedy tokens: they
+    run here beside settings that do, and must not disturb them."""
+    model, _ = default_model
+    settings = dict(repetition_penalty=1.2, no_repeat_ngram_size=4, suppress_tokens=[198], remove_invalid_values=True,
+                    renormalize_logits=True)  # fmt: skip
+    for ids, _ in (cases[0], cases[3]):
+        reference = model.generate(ids, max_new_tokens=32, do_sample=False, **settings)
+        out = model.generate(ids, max_new_tokens=32, do_sample=False, custom_generate=HOOK, **settings)
         assert torch.equal(out, reference)
 
 
-def test_min_new_tokens_holds_back_eos(default_model, cases):
+def test_forced_bos_on_a_one_token_prompt(default_model, cases):
+    """HF forces the BOS token only when the prompt is one token long."""
+    model, _ = default_model
+    ids = cases[0][0][:, :1]
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False)
+    forced = plain[0, 1].item() + 1
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False, forced_bos_token_id=forced)
+    assert expected[0, 1].item() == forced and not torch.equal(expected, plain)
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, forced_bos_token_id=forced, custom_generate=HOOK)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("length", ["min_new_tokens", "min_length"])
+def test_min_length_holds_back_eos(default_model, cases, length):
     model, _ = default_model
     ids, reference = next((i, r) for i, r in cases if r.shape[1] < i.shape[1] + NEW_TOKENS)  # ends at EOS
     eos_at = reference.shape[1] - ids.shape[1]
-    settings = dict(min_new_tokens=eos_at + 5, max_new_tokens=eos_at + 20, do_sample=False)
+    least = eos_at + 5 if length == "min_new_tokens" else reference.shape[1] + 5
+    settings = {length: least, "max_new_tokens": eos_at + 20, "do_sample": False}
     out = model.generate(ids, custom_generate=HOOK, **settings)
     assert torch.equal(out, model.generate(ids, **settings))
     assert out.shape[1] > reference.shape[1]
@@ -67,10 +112,30 @@ def test_sampling_through_the_hook_is_seeded(default_model, cases):
     assert torch.equal(c, d.sequences)  # the hook's seed= is specpass.generate's seed
     # sampling after HF's processors (typical_p, a repetition penalty) is lossless too: speculative
     # equals one-node trees with the same seed
-    one_node = specpass.custom_generate({"budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1))})
     more = dict(typical_p=0.5, repetition_penalty=1.2, seed=11)
     for ids, _ in cases[:3]:
-        assert torch.equal(model.generate(ids, **settings, **more), model.generate(ids, **(settings | {"custom_generate": one_node}), **more))
+        assert torch.equal(model.generate(ids, **settings, **more), model.generate(ids, **(settings | {"custom_generate": ONE_NODE}), **more))
+
+
+WARPERS = {  # strong settings at T = 1, so that the warper shows in a 24-token sample
+    "typical_p": dict(typical_p=0.2),
+    "epsilon_cutoff": dict(epsilon_cutoff=0.1),
+    "eta_cutoff": dict(eta_cutoff=0.1),
+    "top_h": dict(top_h=0.2),
+}
+
+
+@pytest.mark.parametrize("name", list(WARPERS))
+def test_each_warper_changes_the_sample_and_speculation_keeps_it(default_model, cases, name):
+    """With the same seed, sampling with the warper differs from sampling without it, and speculative
+    sampling through the hook equals one-node sampling through the hook (HF draws other noise, so HF's
+    own sample is not the reference; the law is HF's: backends/sampling.py)."""
+    model, _ = default_model
+    ids, _ = cases[3]
+    base = dict(max_new_tokens=24, do_sample=True, seed=5)
+    warped = model.generate(ids, custom_generate=HOOK, **base, **WARPERS[name])
+    assert not torch.equal(warped, model.generate(ids, custom_generate=HOOK, **base))
+    assert torch.equal(warped, model.generate(ids, custom_generate=ONE_NODE, **base, **WARPERS[name]))
 
 
 REFUSED = {
