@@ -75,22 +75,45 @@ def test_gumbel_noise_is_deterministic_and_gumbel_distributed():
     assert abs(noise.var().item() - torch.pi**2 / 6) < 0.05
 
 
-@pytest.mark.parametrize("policy", [SinksWindow(12, 4, sinks=2), H2O(12, 4, recent=3), TOVA(12, 4), A2SF(12, 4)])
+def _snapkv_rank(policy, window: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """SnapKV's priority by loops: window [H, W, D] (the queries of the last W slots), keys [KV, S, D] ->
+    [KV, S]: each window query's softmax over the slots it saw, averaged over the KV head's query heads,
+    summed over the window, then averaged over the `kernel` neighbours inside the cache."""
+    heads, w, _ = window.shape
+    kv, slots, _ = keys.shape
+    group, first = heads // kv, slots - w
+    attention = torch.zeros(kv, slots)
+    for h in range(heads):
+        for j in range(w):
+            seen = first + j + 1  # a query sees its own slot and every slot before it
+            attention[h // group, :seen] += ((keys[h // group, :seen] @ window[h, j]) * scale).softmax(0) / group
+    half = policy.kernel // 2
+    return torch.stack([attention[:, max(0, s - half) : s + half + 1].mean(1) for s in range(slots)], dim=1)
+
+
+@pytest.mark.parametrize("policy", [SinksWindow(12, 4, sinks=2), H2O(12, 4, recent=3), TOVA(12, 4), A2SF(12, 4),
+                                    Keyformer(12, 4, recent=3), SnapKV(12, 4, window=4, kernel=3)])  # fmt: skip
 def test_the_evict_graph_keeps_the_brute_force_selection(policy):
     gen = torch.Generator().manual_seed(3)
-    layers, kv, d = 2, 3, 4
+    layers, kv, heads, d, scales = 2, 3, 6, 4, (0.5, 0.7)
     buffers = {"k_cache": torch.randn(layers, 1, kv, 12, d, generator=gen),
                "v_cache": torch.randn(layers, 1, kv, 12, d, generator=gen),
                "kv_queries": torch.zeros(layers, 1, kv, 4, d),
-               "kv_scores": torch.rand(layers, 1, kv, 12, generator=gen)}  # fmt: skip
+               "kv_scores": torch.rand(layers, 1, kv, 12, generator=gen),
+               "kv_window_queries": torch.randn(layers, 1, heads, 4, d, generator=gen)}  # fmt: skip
     before = {name: t.clone() for name, t in buffers.items()}
-    ops.trace(ops.Evict(policy, buffers, (1.0, 1.0)))()
+    ops.trace(ops.Evict(policy, buffers, scales))()
     protected = policy.protected(12)
     for layer in range(layers):
+        if isinstance(policy, SnapKV):
+            ranks = _snapkv_rank(policy, before["kv_window_queries"][layer, 0], before["k_cache"][layer, 0],
+                                 scales[layer])  # fmt: skip
         for head in range(kv):
             rank = before["kv_scores"][layer, 0, head]
             if isinstance(policy, TOVA):
                 rank = before["kv_scores"][layer, 0].mean(0)  # one choice for the layer's heads
+            if isinstance(policy, SnapKV):
+                rank = ranks[head]
             if isinstance(policy, SinksWindow):
                 keep = [s for s in range(12) if protected[s]]
             else:
@@ -201,7 +224,7 @@ def test_sinks_and_window_equal_hf_with_the_evicted_tokens_masked():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("policy", [H2O(64, 8), A2SF(64, 8, decay=0.9), TOVA(64, 8)])
+@pytest.mark.parametrize("policy", [H2O(64, 8), A2SF(64, 8, decay=0.9), TOVA(64, 8), Keyformer(64, 8, temperature=0.5)])
 def test_scores_before_any_eviction_are_hf_attention_summed_as_the_policy_says(policy):
     model = tiny_model()
     ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(6))
@@ -211,6 +234,9 @@ def test_scores_before_any_eviction_are_hf_attention_summed_as_the_policy_says(p
     attentions = model(out[:, :n], output_attentions=True, attn_implementation="eager").attentions
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     for layer, probs in enumerate(attentions):  # [1, H, n, n]
+        if isinstance(policy, Keyformer):  # softmax((logits + Gumbel noise) / T): logits = log p up to a row constant
+            noise = scores.gumbel_noise(layer, probs.shape[1], torch.arange(n), n)  # [1, H, n, n]
+            probs = ((probs.log() + noise) / policy.temperature).softmax(-1)
         per_kv = probs[0].view(-1, groups, n, n).mean(1)  # [KV, n queries, n keys]
         if isinstance(policy, TOVA):
             want = per_kv[:, -1]
@@ -243,7 +269,7 @@ def test_speculation_adds_no_change_and_the_cache_stays_within_its_budget(cls):
     one, _ = _generate(model, ids, policy, budget=1, new=50)
     occupancy = []
     program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(TreeAttention(16), policy),
-                                               "drafter": drafter_by_name("combined")})  # fmt: skip
+                                               "drafter": drafter_by_name("combined"), "budget": 8})  # fmt: skip
     commit = program.commit
     program.commit = lambda layout, path: occupancy.append((layout.kv_len, commit(layout, path))) or occupancy[-1][1]
     spec = specpass.generate(program, ids, max_new_tokens=50, eos_token_id=[])
@@ -338,7 +364,7 @@ def test_passkey_hits_are_counted_by_depth(default_model):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("cls", [SinksWindow, A2SF, TOVA, SnapKV, Keyformer])  # Keyformer's scores are H2O's + noise
+@pytest.mark.parametrize("cls", POLICIES)
 def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path):
     """The exported step outputs its queries; observe.onnx / evict.onnx run the policy on ORT: speculative
     decoding over the ORT program gives the PyTorch program's tokens, in a cache of `budget` slots, and
@@ -358,7 +384,7 @@ def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path):
     assert all(diff <= 1e-4 for diff in entry["check_max_abs_diff"].values())
     assert [o.name for o in onnx.load(result.onnx_path).graph.output][-1] == "queries"
     want, _ = _generate(model, ids, policy, budget=1, new=50, lowering="eager")
-    program = specpass.load_onnx(result.directory, drafter=drafter_by_name("combined"))
+    program = specpass.load_onnx(result.directory, drafter=drafter_by_name("combined"), budget=8)  # no timed curve
     got = specpass.generate(program, ids, max_new_tokens=50, eos_token_id=[])
     assert got.sequences[0, ids.shape[1] :].tolist() == want
     assert got.stats.tau > 1.0  # drafts were accepted across evictions
