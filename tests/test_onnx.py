@@ -265,9 +265,9 @@ def test_default_model_on_ort_equals_hf_greedy(default_export, cases, drafter):
 def test_threads_on_one_ort_program_each_get_their_own_exact_output(default_export, cases):
     """Four threads call `generate` at once on one ONNX Runtime program: each output is HF greedy's."""
     program = specpass.load_onnx(default_export, budget=16)
-    outs = at_once([lambda ids=ids: specpass.generate(program, ids, max_new_tokens=NEW_TOKENS) for ids, _ in cases])
-    for out, (_, reference) in zip(outs, cases):
-        assert torch.equal(out.sequences, reference)
+    outs = at_once([lambda ids=ids: specpass.generate(program, ids, max_new_tokens=24) for ids, _ in cases])
+    for out, (ids, reference) in zip(outs, cases):
+        assert torch.equal(out.sequences, reference[:, : ids.shape[1] + 24])
 
 
 def test_default_model_batch_on_ort_equals_hf_greedy_alone(default_export, cases):
