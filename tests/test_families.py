@@ -75,3 +75,9 @@ def test_cli_generates_and_exports_a_saved_model_of_the_family(tmp_path, capsys,
     assert main(["generate", "--backend", "onnxrt", "--model", str(tmp_path / "onnx"), *prompt]) == 0
     printed = capsys.readouterr().out
     assert f"({type(model).__name__}, float32)" in printed and printed.count("identical to greedy: True") == 2
+    program = specpass.load_onnx(str(tmp_path / "onnx"), budget=8)  # the export against HF itself, not ORT's greedy
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1)).repeat(1, 2)
+    out = specpass.generate(program, ids, max_new_tokens=24, eos_token_id=[])
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                               eos_token_id=None)  # fmt: skip
+    assert torch.equal(out.sequences, reference)

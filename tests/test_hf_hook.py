@@ -80,7 +80,7 @@ def test_min_length_holds_back_eos(default_model, cases, length):
     ids, reference = next((i, r) for i, r in cases if r.shape[1] < i.shape[1] + NEW_TOKENS)  # ends at EOS
     eos_at = reference.shape[1] - ids.shape[1]
     least = eos_at + 5 if length == "min_new_tokens" else reference.shape[1] + 5
-    settings = {length: least, "max_new_tokens": eos_at + 20, "do_sample": False}
+    settings = {length: least, "max_new_tokens": eos_at + 8, "do_sample": False}
     out = model.generate(ids, custom_generate=HOOK, **settings)
     assert torch.equal(out, model.generate(ids, **settings))
     assert out.shape[1] > reference.shape[1]
@@ -113,7 +113,7 @@ def test_sampling_through_the_hook_is_seeded(default_model, cases):
     # sampling after HF's processors (typical_p, a repetition penalty) is lossless too: speculative
     # equals one-node trees with the same seed
     more = dict(typical_p=0.5, repetition_penalty=1.2, seed=11)
-    for ids, _ in cases[:2]:  # typical_p alone: test_each_warper_changes_the_sample_and_speculation_keeps_it
+    for ids, _ in cases[:1]:  # typical_p alone: test_each_warper_changes_the_sample_and_speculation_keeps_it
         assert torch.equal(model.generate(ids, **settings, **more), model.generate(ids, **(settings | {"custom_generate": ONE_NODE}), **more))
 
 

@@ -253,7 +253,7 @@ def test_every_policy_with_a_budget_past_the_sequence_is_the_full_cache_model():
     ids = torch.randint(3, 96, (1, 25), generator=torch.Generator().manual_seed(7))
     full = model.generate(ids, max_new_tokens=50, do_sample=False)[0, 25:].tolist()
     for cls in POLICIES:
-        out, _ = _generate(model, ids, _policy(cls, 80, 16), budget="cost", new=50)
+        out, _ = _generate(model, ids, _policy(cls, 80, 16), budget=8, new=50)
         assert out == full, cls.__name__
 
 
