@@ -38,7 +38,7 @@ from torch import nn
 from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
 from specpass.backends.onnx_draft import export_draft
 from specpass.backends.onnx_eviction import export_eviction
-from specpass.backends.ort import RELATIVE_TOLERANCE, MANIFEST_VERSION, TOLERANCE, ort_session
+from specpass.backends.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, ort_session
 from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
 from specpass.passes import Pipeline

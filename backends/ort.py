@@ -38,10 +38,10 @@ def ort_session(onnx_path: str, device: torch.device, cuda_graphs: bool = False)
         providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]
+    errors = ort.capi.onnxruntime_pybind11_state
     try:
         session = ort.InferenceSession(onnx_path, options, providers=providers)
-    except (ort.capi.onnxruntime_pybind11_state.InvalidProtobuf, ort.capi.onnxruntime_pybind11_state.NoSuchFile,
-            ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.Fail) as exc:
+    except (errors.InvalidProtobuf, errors.NoSuchFile, errors.InvalidGraph, errors.Fail) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DamagedFileError(f"ONNX Runtime cannot load {onnx_path} ({reason}); the export is damaged or "
                                "incomplete: export it again (specpass export -o DIR --force)") from None  # fmt: skip

@@ -29,14 +29,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _pipeline(text: str | None, model=None):
-    """The --pipeline given, or (text None) the default pipeline fitted to `model` (backends.options)."""
-    from specpass.backends.options import default_pipeline
-    from specpass.ir import arch_spec
+def _pipeline(text: str | None):
+    """The --pipeline given (JSON or a file holding it), or None: the default, fitted to the model
+    once it is loaded (backends.options.default_pipeline)."""
     from specpass.passes import Pipeline
 
     if text is None:
-        return default_pipeline(arch_spec(model) if model is not None else None)
+        return None
     if os.path.exists(text):
         with open(text) as f:
             text = f.read()
@@ -62,15 +61,17 @@ def _pytorch_runs(args: argparse.Namespace):
     from specpass.errors import InvalidParameterError
     from specpass.models import load_model
     from specpass.passes import Pipeline
+    from specpass.backends.options import default_pipeline
+    from specpass.ir import arch_spec
     from specpass.rewrites import DraftHeads, TensorParallel, TreeAttention
 
     pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
-    if pipeline.has(TensorParallel):
+    if pipeline is not None and pipeline.has(TensorParallel):
         _join_torchrun()
     model, tokenizer, _ = load_model(args.model)
     if tokenizer is None:
         raise InvalidParameterError(f"{args.model} holds no tokenizer files; generate needs them to encode --prompt")
-    pipeline = _pipeline(args.pipeline, model)
+    pipeline = pipeline if pipeline is not None else default_pipeline(arch_spec(model))
     if args.heads is not None:
         pipeline = Pipeline(*pipeline, DraftHeads(kind=args.heads, heads=args.heads_dir or "default"))
     options = {"pipeline": pipeline, "drafter": drafter_by_name(args.drafter)}
@@ -203,9 +204,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from specpass.backends.onnx_export import DTYPES, export
     from specpass.models import load_model
 
-    _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
+    pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads; None: export fits the default
     model, tokenizer, name = load_model(args.model, dtype=DTYPES[args.dtype])
-    pipeline = _pipeline(args.pipeline, model)
     with torch.no_grad():
         result = export(model, pipeline, args.output, tokenizer=tokenizer, model_name=name,
                         force=args.force, check=not args.no_check)  # fmt: skip
