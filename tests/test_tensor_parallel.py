@@ -1,7 +1,11 @@
 """TensorParallel (rewrites.tensor_parallel): the sharded graph's structure in-process (a one-rank gloo
 group), and sharded numerics and speculative decoding across processes (`torchrun`, tests/tp_worker.py)."""
 
+import json
 import os
+import pathlib
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -58,15 +62,30 @@ def test_two_processes_shard_tiny_llama_qwen2_mistral_plain_and_laddered():
                 assert f"{prefix} speculative greedy under TP equals {reference}" in output
 
 
-def test_three_processes_shard_the_default_model(default_model):
-    """SmolLM2-135M has 9 heads and 3 KV heads: it splits over 3 processes (not 2), and decodes HF's
-    greedy tokens. (Standard and laddered layers in one sharded graph: the tiny models' ladder (1,).)
-    The workers read the model from the conversion cache that this process's load (the fixture) filled."""
-    output = _torchrun(3, "--default-model")
-    for rank in (0, 1, 2):
-        prefix = f"rank {rank} SmolLM2-135M LadderResidual(layers=()):"
-        assert f"{prefix} prefill, decode and tree logits equal unsharded" in output
-        assert f"{prefix} speculative greedy under TP equals HF greedy" in output
+def _readme_torchrun_command() -> list[str]:
+    """The README's torchrun command, as arguments after `specpass` (its line continuations joined)."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M) if "torchrun" in b)
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:5] == ["torchrun", "--nproc-per-node", "3", "--no-python", "specpass"], words
+    return words[5:]
+
+
+def test_the_readme_torchrun_command_without_its_ladder_equals_hf_greedy(default_model):
+    """The README's command, run as written over 3 gloo processes (SmolLM2-135M: 9 heads, 3 KV heads)
+    but without the lossy LadderResidual (and 16 tokens): rank 0 prints that the output equals HF
+    greedy. The processes read the model from the conversion cache the fixture's load filled."""
+    args = _readme_torchrun_command()
+    at = args.index("--pipeline") + 1
+    pipeline = json.loads(args[at])
+    assert [p["pass"] for p in pipeline["passes"]] == ["TreeAttention", "LadderResidual", "TensorParallel"]
+    pipeline["passes"] = [p for p in pipeline["passes"] if p["pass"] != "LadderResidual"]
+    args[at] = json.dumps(pipeline)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+               str(_free_port()), "-m", "specpass.cli", *args, "--max-new-tokens", "16"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.stdout.count("identical to greedy: True") == 1  # rank 0, against HF greedy (no lossy pass)
 
 
 def _order(graph) -> dict:
