@@ -1,10 +1,11 @@
-"""Drafters feeding the tree verifier: training-free (prompt lookup, token recycling), draft heads and
-the model's own first layers (self-drafting)."""
+"""Drafters feeding the tree verifier: training-free (prompt lookup, token recycling, suffix drafting),
+draft heads and the model's own first layers (self-drafting)."""
 
 from specpass.drafters.base import Combined, Drafter, Drafting, DraftModel, DraftSession, TargetForward, expected_tokens
 from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.self_draft import SelfDraft
+from specpass.drafters.suffix import Suffix
 from specpass.drafters.token_recycling import TokenRecycling
 from specpass.drafters.tree import Candidate, DraftTree, DrawnCandidate, accept_greedy, build_tree
 
@@ -26,6 +27,7 @@ __all__ = [
     "Heads",
     "PromptLookup",
     "SelfDraft",
+    "Suffix",
     "TokenRecycling",
     "TargetForward",
     "accept_greedy",

@@ -7,6 +7,7 @@ from specpass.drafters.base import Combined, Drafter
 from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.self_draft import SelfDraft
+from specpass.drafters.suffix import Suffix
 from specpass.drafters.token_recycling import TokenRecycling
 from specpass.errors import InvalidParameterError
 
@@ -14,6 +15,8 @@ DRAFTERS = {
     "combined": default_drafter,  # prompt lookup + token recycling (training-free)
     "prompt-lookup": PromptLookup,
     "token-recycling": TokenRecycling,
+    "suffix": Suffix,  # suffix drafting over this prompt and earlier generations of the program
+    "suffix-combined": lambda: Combined(PromptLookup(), TokenRecycling(), Suffix()),
     "heads": Heads,  # draft heads, dynamic tree (needs DraftHeads in the pipeline)
     "heads-static": lambda: Heads(tree="static"),
     "heads-drawn": lambda: Heads(tree="static", temperature=1.0),  # drawn at T = 1: the multi-candidate rule
