@@ -4,6 +4,7 @@ without repeats), random tree sizes, fixed budgets, drafters and batch rows, spe
 HF greedy token for token (each row: its prompt alone). The suite runs a few derandomized examples per
 family; `benchmarks/property.py` runs many more (SPECPASS_PROPERTY_EXAMPLES) and commits the count."""
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import transformers
 from conftest import TINY_ARCHS, TINY_CONFIGS
 
 import specpass
-from specpass.drafters import Combined, Drafter, DraftSession, PromptLookup, TokenRecycling
+from specpass.drafters import Combined, Drafter, DraftSession, PromptLookup, Suffix, TokenRecycling
 from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import Candidate
 from specpass.rewrites import TreeAttention
@@ -22,6 +23,7 @@ hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 CACHE = 64  # slots: a 20-token prompt, 24 new tokens and a 16-node tree fit
+LOG = os.environ.get("SPECPASS_PROPERTY_LOG")  # a file to append each passing example to (JSON lines)
 EXAMPLES = int(os.environ.get("SPECPASS_PROPERTY_EXAMPLES", "2"))  # per family (the first: the largest trees and batches)
 
 
@@ -66,7 +68,7 @@ class _OracleSource:
         return self._level(*state)
 
 
-DRAFTERS = ("combined", "oracle", "prompt_lookup", "token_recycling")  # each joined by the oracle (lookahead 0: wrong drafts only)
+DRAFTERS = ("combined", "oracle", "prompt_lookup", "token_recycling", "suffix")  # each joined by the oracle (lookahead 0: wrong drafts only)
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def hf_greedy(model, prompt: tuple[int, ...], new_tokens: int) -> tuple[int, ...
 def drafter_of(case: Case, references) -> Drafter:
     oracle = Oracle(tuple(zip(case.prompts, references)), case.lookahead, case.decoys)
     joined = {"oracle": (), "prompt_lookup": (PromptLookup(),), "token_recycling": (TokenRecycling(),),
-              "combined": (PromptLookup(), TokenRecycling())}[case.drafter]  # fmt: skip
+              "suffix": (Suffix(),), "combined": (PromptLookup(), TokenRecycling(), Suffix())}[case.drafter]  # fmt: skip
     return Combined(oracle, *joined)
 
 
@@ -212,5 +214,9 @@ def test_speculative_greedy_equals_hf_greedy_on_random_models(arch):
     @hypothesis.given(cases(arch))
     def property_holds(case):
         check(case)
+        if LOG:  # benchmarks/property.py counts the examples that passed
+            with open(LOG, "a") as f:
+                f.write(json.dumps({"arch": case.arch, "drafter": case.drafter, "rows": len(case.prompts),
+                                    "max_nodes": case.max_nodes, "new_tokens": case.new_tokens}) + "\n")  # fmt: skip
 
     property_holds()
