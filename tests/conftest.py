@@ -51,6 +51,18 @@ def char_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def padded(prompts: list[torch.Tensor], left: bool = True, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, P] and attention_mask [B, P] of prompts ([P_b] or [1, P_b]), padded on one side."""
+    rows = [p.reshape(-1) for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[b, cols], mask[b, cols] = r, 1
+    return ids, mask
+
+
 NEW_TOKENS = 48  # the length of the `cases` references: where a test's subject is not a long continuation
 FIXED_BUDGET = 8  # trees of 8 nodes: no cost curve to measure (test_tree_budget_follows_the_cost_curve tests it)
 

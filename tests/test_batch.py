@@ -7,7 +7,8 @@ import torch
 
 import specpass
 from conftest import (
-    FIXED_BUDGET, NEW_TOKENS, needs_cxx, peaked_tiny_model, tiny_model, token_inside_an_accepted_draft, with_heads,
+    FIXED_BUDGET, NEW_TOKENS, needs_cxx, padded, peaked_tiny_model, tiny_model, token_inside_an_accepted_draft,
+    with_heads,
 )  # fmt: skip
 from specpass.backends.batch_decode import generate_rows
 from specpass.backends.options import CompileOptions
@@ -32,17 +33,6 @@ DRAFTERS = {  # Token Recycling runs inside the combined drafter, Medusa's heads
 }
 
 
-def _padded(prompts: list[torch.Tensor], left: bool = True, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [B, P] and attention_mask [B, P] of 1-row prompts [1, P_b], padded on one side."""
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        cols = slice(width - p.shape[1], width) if left else slice(0, p.shape[1])
-        ids[b, cols], mask[b, cols] = p[0], 1
-    return ids, mask
-
-
 def _continuation(reference: torch.Tensor, prompt: torch.Tensor, limit: int, eos: set[int] = frozenset()) -> list[int]:
     """HF greedy's new tokens, cut at `limit` and after the first of `eos`."""
     tokens = reference[0, prompt.shape[1] :].tolist()[:limit]
@@ -58,7 +48,7 @@ def test_batch_rows_equal_greedy_alone(default_model, cases, name):
     """Four rows of different prompt lengths, 48 new tokens: one ends at EOS (after 46 tokens) while the
     others go on to the length limit; each equals HF greedy of its prompt alone."""
     model, _ = default_model
-    ids, mask = _padded([c[0] for c in cases])
+    ids, mask = padded([c[0] for c in cases])
     out = specpass.generate(model, ids, max_new_tokens=NEW_TOKENS, attention_mask=mask, options=DRAFTERS[name])
     assert isinstance(out, specpass.BatchGeneration)
     for b, (prompt, reference) in enumerate(cases):
@@ -78,7 +68,7 @@ def test_batch_sizes_and_mixed_lengths(default_model, cases, rows):
     (B = 1, 2 and 4 run in the tests above and below)."""
     model, _ = default_model
     chosen = [cases[(b * 3) % len(cases)] for b in range(rows)]
-    ids, mask = _padded([c[0] for c in chosen], left=False)
+    ids, mask = padded([c[0] for c in chosen], left=False)
     new_tokens = 32 if rows < 8 else 20
     out = specpass.generate(model, ids, max_new_tokens=new_tokens, attention_mask=mask, options=_options())
     for b, (prompt, reference) in enumerate(chosen):
@@ -92,7 +82,7 @@ def test_batch_of_one_and_specpass_alone(default_model, cases):
     model, _ = default_model
     prompt, reference = cases[1]
     alone = specpass.generate(model, prompt, max_new_tokens=40, options=_options())
-    ids, mask = _padded([prompt, cases[0][0]])
+    ids, mask = padded([prompt, cases[0][0]])
     padded_one = specpass.generate(model, ids[:1], max_new_tokens=40, attention_mask=mask[:1], options=_options())
     assert torch.equal(alone.sequences, reference[:, : prompt.shape[1] + 40])
     assert torch.equal(padded_one.sequences, alone.sequences)
@@ -105,7 +95,7 @@ def test_batch_eos_inside_an_accepted_draft_and_length_limit(default_model, case
     eos_token, index = token_inside_an_accepted_draft(reference[0, prompt.shape[1] :].tolist(), alone.stats.steps)
     configured = model.generation_config.eos_token_id
     eos = {eos_token, *(configured if isinstance(configured, list) else [configured])}
-    ids, mask = _padded([c[0] for c in cases])
+    ids, mask = padded([c[0] for c in cases])
     out = specpass.generate(model, ids, max_new_tokens=NEW_TOKENS, attention_mask=mask, options=_options(),
                             eos_token_id=sorted(eos))  # fmt: skip
     for b, (p, r) in enumerate(cases):
@@ -119,7 +109,7 @@ def test_batch_eos_inside_an_accepted_draft_and_length_limit(default_model, case
 def test_batch_with_the_cost_budget(default_model, cases):
     """budget="cost": one tree size per step for all rows, from the curve of forwards of all rows."""
     model, _ = default_model
-    ids, mask = _padded([c[0] for c in cases[:2]])
+    ids, mask = padded([c[0] for c in cases[:2]])
     options = {"pipeline": specpass.Pipeline(TreeAttention(16))}
     out = specpass.generate(model, ids, max_new_tokens=24, attention_mask=mask, options=options)
     for b, (p, r) in enumerate(cases[:2]):
@@ -215,7 +205,7 @@ def test_hf_hook_runs_a_padded_batch():
     """Every row padded (one more column than the longest prompt needs): HF's layout, the input as given."""
     model = peaked_tiny_model()
     prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 11)]
-    ids, mask = _padded(prompts)
+    ids, mask = padded(prompts)
     column = torch.zeros(2, 1, dtype=torch.long)  # a padding column in front of every row
     ids, mask = torch.cat([column, ids], 1), torch.cat([column, mask], 1)
     hook = specpass.custom_generate({"lowering": "eager", "drafter": PromptLookup()})
@@ -250,7 +240,7 @@ def test_sampled_rows_equal_each_row_sampled_alone():
     prompt sampled alone with the row's seed."""
     model = peaked_tiny_model()
     prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 10)]
-    ids, mask = _padded(prompts)
+    ids, mask = padded(prompts)
     options = {"lowering": "eager", "drafter": PromptLookup()}
     out = specpass.generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=0.7,
                             seed=[3, 4], eos_token_id=[], options=options)  # fmt: skip
@@ -354,7 +344,7 @@ def test_self_draft_batch_on_the_default_model(default_model, cases):
 
     model, _ = default_model
     chosen = [cases[1], cases[3]]
-    ids, mask = _padded([c[0] for c in chosen])
+    ids, mask = padded([c[0] for c in chosen])
     options = _options(SelfDraft(4), specpass.Pipeline(TreeAttention(16), EarlyExit(4, adapter="default")))
     out = specpass.generate(model, ids, max_new_tokens=48, attention_mask=mask, options=options)
     for b, (prompt, reference) in enumerate(chosen):

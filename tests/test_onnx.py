@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import NEW_TOKENS, at_once, tiny_model
+from conftest import NEW_TOKENS, at_once, padded, tiny_model
 
 import specpass
 from specpass.backends.onnx_export import export
@@ -117,15 +117,6 @@ def test_cache_grows_past_its_first_bucket(tiny_exports):
     assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None))
 
 
-def _left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(p.shape[-1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.shape[-1] :], mask[b, width - p.shape[-1] :] = p.reshape(-1), 1
-    return ids, mask
-
-
 def test_ort_batch_equals_each_row_alone(tiny_exports):
     """B as a dynamic axis of the export: a batch of 3 rows (different prompt lengths, one row ending
     at an EOS, the others at the length limit, so the cache buffers shrink to the live rows) gives
@@ -143,7 +134,7 @@ def test_ort_batch_equals_each_row_alone(tiny_exports):
 
     references = [alone(p) for p in prompts]
     eos = next(t for t in references[0][3:] if t not in references[1] and t not in references[2])
-    ids, mask = _left_padded(prompts)
+    ids, mask = padded(prompts)
     out = specpass.generate(program, ids, max_new_tokens=30, attention_mask=mask, eos_token_id=[eos])
     expected = [references[0][: references[0].index(eos) + 1], references[1], references[2]]
     assert [list(t) for t in out.new_tokens] == expected
@@ -277,7 +268,7 @@ def test_default_model_batch_on_ort_equals_hf_greedy_alone(default_export, cases
     from specpass.drafters.registry import drafter_by_name
 
     program = specpass.load_onnx(default_export, drafter=drafter_by_name("heads-combined"), rows=4, budget=16)
-    ids, mask = _left_padded([c[0] for c in cases], pad=2)
+    ids, mask = padded([c[0] for c in cases], pad=2)
     out = specpass.generate(program, ids, max_new_tokens=NEW_TOKENS, attention_mask=mask)
     for b, (prompt, reference) in enumerate(cases):
         assert list(out.new_tokens[b]) == reference[0, prompt.shape[1] :].tolist()

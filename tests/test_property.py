@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import transformers
-from conftest import TINY_ARCHS, TINY_CONFIGS
+from conftest import TINY_ARCHS, TINY_CONFIGS, padded
 
 import specpass
 from specpass.drafters import Combined, Drafter, DraftSession, PromptLookup, Suffix, TokenRecycling
@@ -108,7 +108,6 @@ def configs(draw, arch: str) -> dict:
     extra = dict(TINY_CONFIGS[arch][2])
     if "head_dim" in extra:  # Qwen3 and Gemma: a head size of their own, not hidden / heads
         extra["head_dim"] = draw(st.sampled_from([8, 16]))
-        extra.setdefault("query_pre_attn_scalar", extra["head_dim"])
         if "query_pre_attn_scalar" in TINY_CONFIGS[arch][2]:
             extra["query_pre_attn_scalar"] = draw(st.sampled_from([8, 16, 32]))
     if "sliding_window" in extra:
@@ -171,15 +170,6 @@ def build(case: Case) -> transformers.PreTrainedModel:
     return model
 
 
-def left_padded(rows: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row) :], mask[b, width - len(row) :] = torch.tensor(row), 1
-    return ids, mask
-
-
 def hf_greedy(model, prompt: tuple[int, ...], new_tokens: int) -> tuple[int, ...]:
     alone = torch.tensor([prompt])
     out = model.generate(alone, attention_mask=torch.ones_like(alone), max_new_tokens=new_tokens, do_sample=False,
@@ -200,7 +190,7 @@ def check(case: Case) -> None:
     references = [hf_greedy(model, prompt, case.new_tokens) for prompt in case.prompts]
     options = {"pipeline": specpass.Pipeline(TreeAttention(case.max_nodes)), "drafter": drafter_of(case, references),
                "budget": case.budget, "cache_size": CACHE}  # fmt: skip
-    ids, mask = left_padded(case.prompts)
+    ids, mask = padded([torch.tensor(p) for p in case.prompts])
     out = specpass.generate(model, ids, case.new_tokens, attention_mask=mask, eos_token_id=[], options=options)
     rows = [out.sequences[0, ids.shape[1] :].tolist()] if len(case.prompts) == 1 else list(map(list, out.new_tokens))
     for row, prompt, reference in zip(rows, case.prompts, references, strict=True):

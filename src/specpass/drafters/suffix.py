@@ -169,16 +169,17 @@ class SuffixSession(DraftSession):
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         """Stores the accepted tokens and the target's next choice, so a match can use them at once."""
-        self._sync([*tokens, *(tree.tokens[i] for i in path[1:]), int(verified.choices[path[-1]])])
+        self._sync(tokens)
+        self.writer.extend([*(tree.tokens[i] for i in path[1:]), int(verified.choices[path[-1]])])
 
 
 class _Continuations:
     """A tree's view of the matched node: each child a candidate, scored by its relative frequency."""
 
     def __init__(self, node: _Node | None, match: int, max_depth: int, session: SuffixSession):
-        self.node, self.match, self.max_depth = node, match, max_depth
-        self.rate = session.stats.rate(min(match, max(_PRIORS)))
-        self.key = min(match, max(_PRIORS))
+        self.node, self.max_depth = node, max_depth
+        self.key = min(match, max(_PRIORS))  # the acceptance stats' key: the match length, capped
+        self.rate = session.stats.rate(self.key)
         self.branches = session.config.max_branches
 
     def _children(self, node: _Node, depth: int) -> list[Candidate]:
