@@ -7,7 +7,7 @@ padded key columns are hidden by the mask, so the real nodes' logits equal the e
 come from the step's slot layout, built on the host: nothing is read back from the device.
 
 Buckets. T rounds up to a power of two, the attended length to a multiple of KV_BUCKET
-(backends.buckets), and the rows of a batched step (backends.batch_decode) to a power of two capped at
+(backends.buckets), and the rows of a step (backends.decode) to a power of two capped at
 the rows the cache holds: a batch whose rows finish one by one replays at most log2(B) + 1 row
 buckets instead of capturing one graph per live-row count. A one-sequence program's steps are one
 row, as before.
@@ -38,6 +38,10 @@ class CudaGraphStep:
         self.cache_rows = eager.gm.k_cache.shape[1]  # [L, rows, KV, S, D]: sequences the cache holds
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self.pool = None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return (self.kind,)
 
     def _bucket(self, layout: RowsLayout) -> tuple[int, int, int] | None:
         """(rows, tokens, attended slots) of the graph that replays `layout`, None to run it eagerly."""

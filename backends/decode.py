@@ -1,327 +1,237 @@
-"""The decode loop: draft a tree -> verify it in one forward -> accept the longest greedy path -> commit KV."""
+"""The decode loop, for one sequence or a batch: draft each row's tree -> verify every row in one forward
+-> accept each row's longest path -> commit it in the row's own cache row.
+
+Layout: per-row offsets. Each sequence owns one row of the program's cache ([L, B, KV, S, D]) and lays
+out its tokens there exactly as it would alone (`ir.layout.SlotLayout`: committed prefix in slots
+[0, committed_b), its tree after it). A step's rows are padded to a common T (`ir.layout.RowsLayout`):
+a padding node sees only itself and is written past the row's committed prefix, where nothing reads
+it. Why not left padding: a row's accepted path varies in length, so a shared write position would
+leave a hole in every row but the longest each step and attention would read them all; with a row's
+own offset nothing is wasted and the row's cache is exactly the cache it would have alone. One
+sequence is a batch of one: there is no other loop.
+
+Per step: every row drafts its own tree (its own drafter sessions: prompt lookup over its own text;
+Token Recycling's successor table is the program's memory, shared by the rows as it is shared by
+successive generations); one T for all rows maximises the batch's expected tokens per second on the
+cost curve measured for forwards of all rows (so trees shrink as B grows); one forward verifies all
+rows; each row accepts its own path (`sequence.SequenceState`) and commits it in its own cache row
+only. A row that finishes (EOS, length, stop, cache) leaves the batch: the rows after it move up one
+cache row, so the next forwards run only the live rows.
+
+Invariant. A row's tokens equal that sequence decoded alone with the same choice (greedy, or sampling
+keyed by its seed and position): its logits depend only on its own cache row and tokens.
+"""
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from specpass.backends.generation import BatchGeneration, check_rows, padded_sequences
 from specpass.backends.guard import one_generation_at_a_time
-from specpass.backends.multi_candidate import accept_drawn, node_laws
 from specpass.backends.program import DecodeProgram
 from specpass.backends.sampling import TargetChoice
-from specpass.drafters import Drafting, TargetForward, DraftTree, accept_greedy, expected_tokens
-from specpass.errors import CacheCapacityError, InvalidParameterError
-from specpass.ir.layout import SlotLayout
+from specpass.backends.sequence import CacheCursor, SequenceState
+from specpass.drafters import DraftTree, expected_tokens
+from specpass.errors import InvalidParameterError
+from specpass.ir.layout import RowsLayout
 
-
-@dataclass(frozen=True)
-class GenerationStats:
-    new_tokens: int
-    target_forwards: int  # prefill included
-    seconds: float
-    finish_reason: str  # "eos", "stop" (a stop criterion, e.g. a stop string), "length" or "cache_full"
-    steps: tuple[int, ...] = ()  # tokens emitted by each decode step (the prefill's token excluded)
-    mean_tree_size: float = 1.0
-    prefill_seconds: float = 0.0  # of `seconds`: the prompt's forward(s), up to the first token
-
-    @property
-    def accepted_histogram(self) -> dict[int, int]:
-        """How many decode steps emitted 1, 2, ... tokens."""
-        return dict(sorted(collections.Counter(self.steps).items()))
-
-    @property
-    def tau(self) -> float:
-        """Tokens per target forward."""
-        return self.new_tokens / max(self.target_forwards, 1)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens after the first, per second after the prefill."""
-        decode = self.seconds - self.prefill_seconds
-        return (self.new_tokens - 1) / decode if decode > 0 else float("inf")
-
-    def __str__(self) -> str:
-        hist = " ".join(f"{k}:{v}" for k, v in sorted(self.accepted_histogram.items()))
-        return (
-            f"{self.new_tokens} tokens in {self.target_forwards} target forwards (tau {self.tau:.2f}), "
-            f"{self.tokens_per_second:.1f} tokens/s, mean tree {self.mean_tree_size:.1f} nodes, "
-            f"finished by {self.finish_reason}; accepted per step {{{hist}}}"
-        )
-
-
-@dataclass(frozen=True)
-class Generation:
-    sequences: torch.Tensor  # [1, P + new_tokens]
-    stats: GenerationStats
-
-
-def check_max_new_tokens(max_new_tokens: object) -> None:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise InvalidParameterError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-
-
-def check_prompt(input_ids: object) -> None:
-    """The prompt's form: a non-empty int64 tensor [1, P] (batch 1)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise InvalidParameterError("input_ids must be an int64 tensor of shape [batch, prompt_length]")
-    if input_ids.shape[0] != 1:
-        raise InvalidParameterError(f"this loop runs one sequence, got a batch of {input_ids.shape[0]} "
-                                    "(batches: backends.batch_decode, through specpass.generate)")
-    if input_ids.shape[1] == 0:
-        raise InvalidParameterError("the prompt is empty: give at least one token")
-
-
-def check_request(input_ids: torch.Tensor, max_new_tokens: int, cache_size: int, vocab_size: int,
-                  evicts: bool = False) -> None:  # fmt: skip
-    """Everything about a request that can be wrong, checked before the first forward (an evicting
-    cache takes a prompt of any length, in pieces)."""
-    check_prompt(input_ids)
-    check_max_new_tokens(max_new_tokens)
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise InvalidParameterError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
-    if input_ids.shape[1] > cache_size and not evicts:
-        raise CacheCapacityError(
-            f"the prompt has {input_ids.shape[1]} tokens but the KV cache holds {cache_size}; "
-            "compile with a larger options['cache_size']"
-        )
-
-
-@dataclass
-class CacheCursor:
-    """Where the next step goes: `cached` slots hold committed tokens, `seen` tokens were committed
-    (evicted ones included, so `seen` is the next token's rotary position)."""
-
-    cached: int = 0
-    seen: int = 0
-
-    def layout(self, ancestors: torch.Tensor) -> SlotLayout:
-        return SlotLayout(self.cached, ancestors, evicted=self.seen - self.cached)
-
-    def commit(self, program: DecodeProgram, layout: SlotLayout, path: Sequence[int]) -> None:
-        self.cached = program.commit(layout, path)
-        self.seen += len(path)
-
-
-def feed(program: DecodeProgram, tokens: torch.Tensor, cursor: CacheCursor, piece: int | None = None
-         ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """Run tokens [P] (on the host) as a chain and commit them: in one forward, or in pieces that fit
-    an evicting cache (the same cache as one token at a time: rewrites.kv_eviction), or of at most
-    `piece` tokens. Yields each piece's logits [n, V] and hidden [n, H]."""
-    if cursor.seen == 0:
-        program.new_sequence()
-    start = 0
-    while start < tokens.shape[0]:
-        n = min(tokens.shape[0] - start, piece or tokens.shape[0])
-        if program.evicts:
-            n = min(n, program.room(cursor.cached))
-        layout = cursor.layout(torch.ones(n, n, dtype=torch.bool).tril())
-        logits, hidden = program.forward(tokens[start : start + n], layout)  # [n, V], [n, H]
-        cursor.commit(program, layout, range(n))
-        yield logits, hidden
-        start += n
-
-
-def _as_chain(tree: DraftTree) -> DraftTree:
-    """The branch through every node's first child: what a program without TreeAttention can verify."""
-    keep, node = [0], 0
-    while (nxt := next((i for i in range(node + 1, len(tree)) if tree.parents[i] == node), None)) is not None:
-        keep.append(nxt)
-        node = nxt
-    return DraftTree(
-        tuple(tree.tokens[i] for i in keep),
-        tuple(range(-1, len(keep) - 1)),
-        tuple(tree.scores[i] for i in keep),
-        tuple(tree.origins[i] for i in keep),
-        tuple(tree.drawn[i] for i in keep) if tree.drawn else (),  # each node's first child: its first draw
-    )
-
-
-class SequenceState:
-    """One sequence in the decode loop: its tokens, cache cursor, drafter sessions, target choice and
-    counts. `generate` drives one; the batched loop (backends.batch_decode) drives one per row, with
-    the same drafting, acceptance and emission (this class), only the forward and commit batched."""
-
-    def __init__(self, prompt: Sequence[int], max_new_tokens: int, eos: set[int], choice: TargetChoice,
-                 stop: Callable[[Sequence[int]], bool] | None = None):  # fmt: skip
-        self.tokens: list[int] = list(prompt)
-        self.n_prompt = len(self.tokens)
-        self.max_new_tokens = max_new_tokens
-        self.eos = eos
-        self.choice = choice
-        self.stop = stop
-        self.cursor = CacheCursor()  # layouts and tokens go to the program on the host (ir.layout)
-        self.forwards = 1  # the prefill, in however many pieces (tau counts decode steps and the prefill's token)
-        self.sizes: list[int] = []
-        self.steps: list[int] = []
-        self.finish: str | None = None
-        self.finished_at = 0.0  # perf_counter() when the sequence finished
-
-    def start(self, program: DecodeProgram, topk: torch.Tensor, hidden: torch.Tensor, last_logits: torch.Tensor) -> None:
-        """After the prompt's forward(s): topk [P, k] (host), hidden [P, H], last_logits [1, V] after the
-        prompt's last token. Chooses the first token and opens the drafter sessions."""
-        choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
-        if not self.choice.plain_greedy:
-            choices[-1] = self.choice(last_logits, self.tokens)[0]
-        prefill = TargetForward(topk, hidden, choices)
-        self.tokens.append(int(choices[-1]))
-        sampling = self.choice.sampling
-        self.drafting = Drafting(program.drafter.sessions(self.tokens[: self.n_prompt], prefill, program.drafter_memory,
-                                                          program.draft, sampling.seed))  # fmt: skip
-        self.by_rule = program.drafter.draws and sampling.do_sample and sampling.acceptance == "auto"
-        # the multi-candidate rule's uniforms and residual draws
-        self.rng = np.random.default_rng([sampling.seed, 0x6D63]) if self.by_rule else None
-        stopped = self.stop is not None and self.stop(self.tokens)
-        self._set_finish(_finished(self.tokens, self.n_prompt, self.max_new_tokens, self.eos, stopped))
-
-    def draft(self, program: DecodeProgram, room: int) -> DraftTree:
-        """This step's tree, at most `room` nodes (what the program verifies: a chain if no trees)."""
-        remaining = self.max_new_tokens - (len(self.tokens) - self.n_prompt)
-        tree = self.drafting.draft(self.tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
-        return tree if program.verifies_trees else _as_chain(tree)
-
-    def accept(self, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, topk: torch.Tensor,
-               resumed: bool = False) -> tuple[list[int], TargetForward]:  # fmt: skip
-        """The accepted path (node indices, root first) of `tree` verified as logits [T, V], hidden [T, H],
-        topk [T, k] (host), and what the drafters learn from the step (resumed: the verify resumed
-        above an early exit from the drafted states)."""
-        if self.by_rule and len(tree) > 1:  # drawn drafts: the multi-candidate rule
-            processed = self.choice.processed(logits, self.tokens, tree.parents, tree.tokens)  # [T, V]
-            path, last = accept_drawn(tree, node_laws(processed), self.rng)
-            choices = topk[:, 0].clone()  # [T]: off the path, the drafters read the greedy token
-            choices[path[:-1]] = torch.tensor([tree.tokens[i] for i in path[1:]], dtype=torch.long)
-            choices[path[-1]] = last
-        else:
-            plain = self.choice.plain_greedy
-            choices = topk[:, 0] if plain else self.choice(logits, self.tokens, tree.parents, tree.tokens)  # [T]
-            path = accept_greedy(tree, choices.tolist())
-        return path, TargetForward(topk, hidden, choices, resumed)
-
-    def advance(self, tree: DraftTree, verified: TargetForward, path: list[int]) -> None:
-        """After the path's commit: emit its tokens and the target's next one, let the drafters learn."""
-        new = [tree.tokens[i] for i in path[1:]] + [int(verified.choices[path[-1]])]
-        self.drafting.observe(tree, verified, path, self.tokens)
-        self.forwards += 1
-        self.sizes.append(len(tree))
-        emitted, stopped = _emit(self.tokens, new, self.n_prompt, self.max_new_tokens, self.eos, self.stop)
-        self.steps.append(emitted)
-        self._set_finish(_finished(self.tokens, self.n_prompt, self.max_new_tokens, self.eos, stopped))
-
-    def _set_finish(self, finish: str | None) -> None:
-        self.finish = finish
-        if finish is not None:
-            self.finished_at = time.perf_counter()
-
-    def end(self, finish: str) -> None:
-        """Finish for a reason outside the sequence (the cache is full)."""
-        self._set_finish(finish)
-
-    def stats(self, started: float, prefill_seconds: float) -> GenerationStats:
-        return GenerationStats(
-            new_tokens=len(self.tokens) - self.n_prompt,
-            target_forwards=self.forwards,
-            seconds=self.finished_at - started,
-            finish_reason=self.finish,
-            steps=tuple(self.steps),
-            mean_tree_size=sum(self.sizes) / len(self.sizes) if self.sizes else 1.0,
-            prefill_seconds=prefill_seconds,
-        )
+PREFILL_TOKENS = 512  # tokens per prefill forward, over all rows (bounds the prompt's logits in memory)
 
 
 @one_generation_at_a_time
 def generate(
     program: DecodeProgram,
-    input_ids: torch.Tensor,
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
-    choice: TargetChoice | None = None,
+    choices: Sequence[TargetChoice] | None = None,
     stop: Callable[[Sequence[int]], bool] | None = None,
-) -> Generation:
-    """Speculative decoding of `input_ids` [1, P] with the program's drafter (and its memory).
+    pad_token_id: int | None = None,
+    streamer=None,
+) -> BatchGeneration:
+    """Speculative decoding of `prompts` (token lists, one per row; at most program.rows) in one batch,
+    with the program's drafter (and its memory).
 
-    choice: the target's choice after each token (default plain greedy; see backends.sampling): the
-    output equals non-speculative decoding with the same choice; when it samples and the drafter draws
-    its drafts from draft laws (Drafter.draws), they are accepted by the multi-candidate rule
-    (backends.multi_candidate), whose output follows the same distribution. stop: called with the
-    sequence after every emitted token, in order; True ends the generation after that token (finish
-    reason "stop"). Plain greedy takes its choice from the top-k the drafters get anyway (no second
-    pass over the logits).
+    choices: each row's target choice after each token (default plain greedy; see backends.sampling):
+    a row's output equals non-speculative decoding with the same choice; when it samples and the
+    drafter draws its drafts from draft laws (Drafter.draws), they are accepted by the multi-candidate
+    rule (backends.multi_candidate), whose output follows the same distribution. stop: called with a
+    row's sequence after every emitted token, in order; True ends that row after that token (finish
+    reason "stop"). pad_token_id fills `sequences` (default: the model's, else its first EOS id, else
+    0). streamer (one row): Hugging Face's streamer interface, `put` the prompt [1, P], then each
+    step's accepted tokens [n] as they are accepted, `end()` once the row ends. Plain greedy takes its
+    choice from the top-k the drafters get anyway (no second pass over the logits).
     """
-    check_request(input_ids, max_new_tokens, program.cache_size, program.vocab_size, program.evicts)
-    choice = choice if choice is not None else TargetChoice()
-    curve = program.cost_curve if program.budget == "cost" else None
+    program.check_rows(len(prompts))
+    check_rows(prompts, max_new_tokens, program.cache_size, program.vocab_size, program.evicts)
+    if streamer is not None and len(prompts) != 1:
+        raise InvalidParameterError(f"a streamer follows one sequence (Hugging Face's streamers take batch 1); "
+                                    f"got {len(prompts)} prompts")  # fmt: skip
+    choices = choices if choices is not None else [TargetChoice()] * len(prompts)
     started = time.perf_counter()
-    seq = SequenceState(input_ids[0].tolist(), max_new_tokens, set(eos_token_ids), choice, stop)
+    eos = set(eos_token_ids)
+    seqs = [SequenceState(p, max_new_tokens, eos, c, stop) for p, c in zip(prompts, choices, strict=True)]
+    stream = _Stream(streamer, seqs[0]) if streamer is not None else None
+    try:
+        prefill_seconds = _decode(program, seqs, stream, started)
+    finally:
+        if stream is not None:
+            streamer.end()
+    if pad_token_id is None:
+        pad_token_id = program.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = next(iter(eos_token_ids), 0)
+    return BatchGeneration(
+        padded_sequences([s.tokens[: s.n_prompt] for s in seqs], [s.tokens[s.n_prompt :] for s in seqs], pad_token_id),
+        tuple(tuple(s.tokens[s.n_prompt :]) for s in seqs),
+        tuple(s.stats(started, prefill_seconds) for s in seqs),
+        max(s.finished_at for s in seqs) - started,
+    )
 
+
+def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream | None, started: float) -> float:
+    """Prefill every row, then decode until every row finished; returns the prefill's seconds."""
     top_k = min(program.drafter.target_topk, program.vocab_size)  # the target's top candidates the drafters read
-    topks, hiddens = [], []
-    for logits, hidden in feed(program, input_ids[0].cpu(), seq.cursor):  # [n, V], [n, H] a piece
-        topks.append(logits.topk(top_k, dim=-1).indices.cpu())
-        hiddens.append(hidden)
-    seq.start(program, torch.cat(topks), torch.cat(hiddens), logits[-1:])  # [P, k], [P, H], [1, V]
+    _prefill(program, seqs, top_k)
     prefill_seconds = time.perf_counter() - started
-
+    if stream is not None:
+        stream.flush()
+    curve = program.cost_curve if program.budget == "cost" else None
+    live = _retire(program, seqs)  # live[i] owns cache row i
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
-    while seq.finish is None:
-        step_started = time.perf_counter()
-        room = program.room(seq.cursor.cached)
-        if room < 1:
-            seq.end("cache_full")
-            break
-        tree = seq.draft(program, room)
-        size = curve.best_size(expected_tokens(tree), overhead) if curve is not None else program.budget
-        tree = tree.prefix(program.agreed_size(size))
-        layout = seq.cursor.layout(tree.ancestor_mask())
-        exit_states = seq.drafting.precomputed(tree) if program.resumes_from_exit else None  # [T, H] or None
-        if exit_states is not None:  # the early-exit draft ran these nodes' lower layers in their slots
-            logits, hidden = program.forward_from_exit(exit_states, layout)  # [T, V], [T, H]
+    last_step = started
+    while live:
+        step_started = last_step = time.perf_counter()
+        room = min(program.room(s.cursor.cached) for s in live)
+        if room < 1:  # a row at the end of its cache ends; the others go on
+            for s in live:
+                if program.room(s.cursor.cached) < 1:
+                    s.end("cache_full")
+            live = _retire(program, live)
+            continue
+        trees = []
+        for b, s in enumerate(live):
+            with program.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
+                trees.append(s.draft(program, room))
+        size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
+        trees = [t.prefix(min(program.agreed_size(size), room)) for t in trees]
+        layout = RowsLayout(tuple(s.cursor.layout(t.ancestor_mask()) for s, t in zip(live, trees)))
+        states = _exit_states(live, trees, layout.size) if program.resumes_from_exit else None
+        if states is not None:  # every row's tree is its self-draft chain: resume above the exit
+            logits, hidden = program.forward_from_exit(states, layout)  # [B, T, V], [B, T, H]
         else:
-            logits, hidden = program.forward(torch.tensor(tree.tokens), layout)  # [T, V], [T, H]
-        path, verified = seq.accept(tree, logits, hidden, logits.topk(top_k, dim=-1).indices.cpu(),
-                                    resumed=exit_states is not None)  # fmt: skip
-        seq.cursor.commit(program, layout, path)
-        seq.advance(tree, verified, path)
+            tokens = layout.pad_tokens([torch.tensor(t.tokens) for t in trees])  # [B, T]
+            logits, hidden = program.forward(tokens, layout)  # [B, T, V], [B, T, H]
+        topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]: the step's one host sync
+        accepted = [s.accept(t, logits[b, : len(t)], hidden[b, : len(t)], topk[b, : len(t)], states is not None)
+                    for b, (s, t) in enumerate(zip(live, trees))]  # fmt: skip
+        committed = program.commit(layout, [path for path, _ in accepted])
+        for s, t, (path, verified), cached in zip(live, trees, accepted, committed):
+            s.cursor.advance(cached, len(path))
+            s.advance(t, verified, path)
+        if stream is not None:
+            stream.flush()
+        live = _retire(program, live)
         if curve is not None:
-            outside = time.perf_counter() - step_started - curve.latency(len(tree))
+            outside = time.perf_counter() - step_started - curve.latency(layout.size)
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
-
-    if program.device.type == "cuda":
+    if program.device.type == "cuda":  # the last commit ran asynchronously: count it in the time
         torch.cuda.synchronize(program.device)
-    seq.finished_at = time.perf_counter()
-    stats = seq.stats(started, prefill_seconds)
-    return Generation(torch.tensor([seq.tokens], dtype=torch.long, device=input_ids.device), stats)
+        ended = time.perf_counter()
+        for s in seqs:
+            if s.finished_at >= last_step:
+                s.finished_at = ended
+    return prefill_seconds
 
 
-def _emit(tokens: list[int], new: list[int], n_prompt: int, max_new_tokens: int, eos: set[int], stop) -> tuple[int, bool]:
-    """Append accepted tokens, stopping after an EOS or a stop criterion and at the length limit;
-    returns how many, and whether the stop criterion fired (it sees every appended token once)."""
-    count = 0
-    for token in new:
-        if len(tokens) - n_prompt >= max_new_tokens:
-            break
-        tokens.append(token)
-        count += 1
-        stopped = stop is not None and stop(tokens)
-        if token in eos or stopped:
-            return count, stopped
-    return count, False
+class _Stream:
+    """Pushes a row's tokens to a streamer as they are emitted (the prompt first, as HF's generate does)."""
+
+    def __init__(self, streamer, seq: SequenceState):
+        self.streamer, self.seq = streamer, seq
+        streamer.put(torch.tensor([seq.tokens], dtype=torch.long))  # [1, P]
+        self.sent = len(seq.tokens)
+
+    def flush(self) -> None:
+        new = self.seq.tokens[self.sent :]
+        if new:
+            self.streamer.put(torch.tensor(new, dtype=torch.long))  # [n]
+            self.sent += len(new)
 
 
-def _finished(tokens: list[int], n_prompt: int, max_new_tokens: int, eos: set[int], stopped: bool) -> str | None:
-    if tokens[-1] in eos:
-        return "eos"
-    if stopped:
-        return "stop"
-    if len(tokens) - n_prompt >= max_new_tokens:
-        return "length"
-    return None
+def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequence[CacheCursor], piece: int
+         ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:  # fmt: skip
+    """Run row b's tokens prompts[b] as a chain in cache row b and commit them, in forwards of at most
+    `piece` tokens a row and the room an evicting cache leaves (the same cache as one token at a time:
+    rewrites.kv_eviction); a row whose tokens are done runs one padding token meanwhile (at its next
+    slot, not committed). Yields each forward's logits [B, T, V], hidden [B, T, H] and each row's
+    number of real tokens in it (0: padding only). A first forward drops per-sequence cache state."""
+    if all(c.seen == 0 for c in cursors):
+        program.new_sequence()
+    fed = [0] * len(prompts)
+    while any(f < len(p) for f, p in zip(fed, prompts)):
+        counts = [min(piece, len(p) - f, program.room(c.cached)) for p, f, c in zip(prompts, fed, cursors)]
+        layout = RowsLayout(tuple(c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
+                                  for c, n in zip(cursors, counts)))  # fmt: skip
+        tokens = layout.pad_tokens([torch.tensor(list(p[f : f + max(n, 0)]) or [0], dtype=torch.long)
+                                    for p, f, n in zip(prompts, fed, counts)])  # fmt: skip  [B, T]
+        logits, hidden = program.forward(tokens, layout)  # [B, T, V], [B, T, H]
+        committed = program.commit(layout, [range(max(n, 0)) for n in counts])  # a chain: nothing moves
+        for b, (c, n) in enumerate(zip(cursors, counts)):
+            if n > 0:
+                c.advance(committed[b], n)
+                fed[b] += n
+        yield logits, hidden, [max(n, 0) for n in counts]
+
+
+def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> None:
+    """Every row's prompt through `feed` (at most PREFILL_TOKENS tokens a forward over all rows); then
+    each row chooses its first token and opens its drafter sessions."""
+    topks: list[list[torch.Tensor]] = [[] for _ in seqs]
+    hiddens: list[list[torch.Tensor]] = [[] for _ in seqs]
+    last: list[torch.Tensor | None] = [None] * len(seqs)
+    piece = max(1, PREFILL_TOKENS // len(seqs))
+    prompts = [s.tokens[: s.n_prompt] for s in seqs]
+    for logits, hidden, counts in feed(program, prompts, [s.cursor for s in seqs], piece):
+        topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]
+        for b, n in enumerate(counts):
+            if n > 0:
+                topks[b].append(topk[b, :n])
+                hiddens[b].append(hidden[b, :n])
+                last[b] = logits[b, n - 1 : n]  # [1, V]
+    for b, s in enumerate(seqs):
+        s.start(program, torch.cat(topks[b]), torch.cat(hiddens[b]), last[b])
+
+
+def _shared_size(curve, trees: list[DraftTree], overhead: float) -> int:
+    """Tokens per row n maximising the rows' summed expected tokens over latency(n) + overhead
+    (CostCurve.best_size): a row whose tree is smaller than n is padded (its expected tokens stop growing)."""
+    expected = [expected_tokens(t) for t in trees]
+    largest = max(len(e) for e in expected)
+    summed = [sum(e[min(n, len(e)) - 1] for e in expected) for n in range(1, largest + 1)]
+    return curve.best_size(summed, overhead)
+
+
+def _exit_states(live: list[SequenceState], trees: list[DraftTree], size: int) -> torch.Tensor | None:
+    """[B, T, H]: each row's precomputed exit states (its tree is its self-draft chain), padding nodes'
+    zeros; None when some row has none (its tree is not the chain: then every row runs the whole
+    forward, which writes the same K/V in the self-drafted slots again)."""
+    rows = [s.drafting.precomputed(t) for s, t in zip(live, trees)]
+    if any(r is None for r in rows):
+        return None
+    states = rows[0].new_zeros(len(rows), size, rows[0].shape[-1])
+    for b, r in enumerate(rows):
+        states[b, : r.shape[0]] = r
+    return states
+
+
+def _retire(program: DecodeProgram, live: list[SequenceState]) -> list[SequenceState]:
+    """The live rows that have not finished; their caches move up over the finished rows' cache rows."""
+    keep = [i for i, s in enumerate(live) if s.finish is None]
+    if len(keep) < len(live) and keep:
+        program.keep_rows(keep, max(live[i].cursor.cached for i in keep))
+    return [live[i] for i in keep]
+

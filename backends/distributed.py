@@ -28,10 +28,10 @@ def rank0_int(value: int) -> int:
     return int(rank0_floats([value])[0])
 
 
-def check_same_path(path: Sequence[int]) -> None:
-    """Raise if any rank accepted another path this step (a broken lockstep: never expected). Ranks
-    compare (length, hash of the node indices): an int tuple's hash is the same in every process."""
-    mine = torch.tensor([len(path), hash(tuple(path))], dtype=torch.long)
+def check_same_paths(paths: Sequence[Sequence[int]]) -> None:
+    """Raise if any rank accepted other paths this step (a broken lockstep: never expected). Ranks
+    compare (tokens, hash of every row's node indices): an int tuple's hash is the same in every process."""
+    mine = torch.tensor([sum(map(len, paths)), hash(tuple(tuple(p) for p in paths))], dtype=torch.long)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     if any(not torch.equal(g, mine) for g in gathered):

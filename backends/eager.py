@@ -5,15 +5,16 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from specpass.ir.layout import SlotLayout
+from specpass.ir.layout import RowsLayout, SlotLayout
 
 
 class EagerStep:
     """Runs a GraphModule directly: the rewritten step itself (`eager`, the reference) or its oneDNN lowering.
 
-    A lowered verify step is called as `step(input_ids [B, T], layout)` (ir.layout.SlotLayout) and
-    returns the graph's outputs (logits [B, T, V], hidden [B, T, H], ...); `run_graph` takes the
-    graph's inputs by name (a draft graph is called that way, with its DraftGraphSpec's inputs).
+    The `backends.lowering.Step` contract: `step(input_ids [B, T], layout)` (an ir.layout.RowsLayout,
+    or a SlotLayout for every row) returns the graph's outputs (logits [B, T, V], hidden [B, T, H],
+    ...); `run_graph` takes the graph's inputs by name (a draft graph is called that way, with its
+    DraftGraphSpec's inputs).
     """
 
     min_tokens = 1  # the fewest tokens a replayed bucket should hold (graph-replay lowerings pad up to it)
@@ -25,10 +26,14 @@ class EagerStep:
         self.input_names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         self.device = next(iter([*gm.parameters(), *gm.buffers()]), torch.empty(0)).device
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return (self.kind,)
+
     @torch.no_grad()
     def run_graph(self, inputs: dict):
         return self.gm(**{name: inputs[name] for name in self.input_names})
 
-    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout):
+    def __call__(self, input_ids: torch.Tensor, layout: RowsLayout | SlotLayout):
         """input_ids [B, T] and layout on the host or on the step's device."""
         return self.run_graph(layout.to(self.device).step_inputs(input_ids.to(self.device)))

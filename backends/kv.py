@@ -7,22 +7,11 @@ from collections.abc import Sequence
 import torch
 
 
-def compact(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy slots `src` to slots `dst` in every layer of both caches ([L, B, KV, S, D]); no recompute.
-
-    src and dst are [N] int64 with dst sorted ascending and dst[i] <= src[i] (entries only move down),
-    as produced by an accepted tree path; sources are gathered before any slot is written.
-    """
-    if src.numel() == 0:
-        return
-    k_cache.index_copy_(3, dst, k_cache.index_select(3, src))
-    v_cache.index_copy_(3, dst, v_cache.index_select(3, src))
-
-
-def compact_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, src: torch.Tensor,
-                 dst: torch.Tensor) -> None:  # fmt: skip
-    """Copy slot src[i] to slot dst[i] of cache row rows[i] ([N] int64 each), in every layer of both
-    caches ([L, B, KV, S, D]); entries of other rows are not touched. Sources are gathered first."""
+def compact(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, src: torch.Tensor,
+            dst: torch.Tensor) -> None:  # fmt: skip
+    """Copy slot src[i] to slot dst[i] of cache row rows[i] ([N] int64 each, as `ir.layout.RowsLayout.moves`
+    lists an accepted path's moves), in every layer of both caches ([L, B, KV, S, D]); no recompute,
+    entries of other rows are not touched. Sources are gathered before any slot is written."""
     for cache in (k_cache, v_cache):
         cache[:, rows, :, dst] = cache[:, rows, :, src]  # [N, L, KV, D] gathered, then written
 

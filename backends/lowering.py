@@ -1,9 +1,17 @@
-"""Lowering of a rewritten decode step to something callable: eager FX, oneDNN (CPU), both chosen per tree
-size (CPU), TorchInductor, or CUDA graphs (of the FX step, or of the inductor-compiled step)."""
+"""Lowering of a rewritten decode step to something callable, behind one contract: a `Step`, built by a
+named `Lowering` of the `LOWERINGS` registry, which also states what the lowering can do (the devices it
+runs on, batches of rows, CUDA-graph replay). Today: eager FX, oneDNN (CPU), GGUF kernels (CPU),
+TorchInductor (replayed in CUDA graphs on CUDA) and CUDA graphs of the FX step; `auto` picks per device,
+and on a CPU runs several, each tree size on the one measured fastest (backends.per_size).
+
+Adding a lowering is one `Lowering` entry here: CompileOptions' list of names, the program's batch
+check and `auto`'s candidates are all read from the registry."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.fx
@@ -15,6 +23,96 @@ from specpass.backends.gguf_lowering import gguf_planes, pack_gguf_linears
 from specpass.backends.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
 from specpass.ir.draft import draft_graph, resume_graph
+from specpass.ir.layout import RowsLayout
+
+
+class Step(Protocol):
+    """A lowered verify step: `step(input_ids [B, T], layout)` runs B rows laid out by `layout` in cache
+    rows 0 .. B-1 and returns the graph's outputs (logits [B, T, V], hidden [B, T, H], ...);
+    `run_graph(inputs)` takes the graph's inputs by name."""
+
+    kinds: tuple[str, ...]  # the lowerings it runs (several: FastestPerSize)
+    input_names: list[str]
+    device: torch.device
+
+    def __call__(self, input_ids: torch.Tensor, layout: RowsLayout) -> tuple: ...
+
+    def run_graph(self, inputs: dict) -> tuple: ...
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a builder gets beside the rewritten graph: where it runs and the buckets it may replay, and
+    the packed weights shared by every graph lowered for one step (oneDNN matrices, GGUF planes)."""
+
+    device: torch.device
+    max_nodes: int
+    cache_size: int
+    packed: dict
+    planes: dict
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """One lowering: its builder and its capabilities."""
+
+    name: str
+    build: Callable[[torch.fx.GraphModule, BuildContext], Step]
+    devices: tuple[str, ...]  # device types it runs on
+    batches: bool  # runs steps of several rows
+    replays: bool  # captures CUDA graphs (one per bucket) and replays them
+
+
+def _eager(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
+    return EagerStep(gm)
+
+
+def _onednn(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
+    if not onednn.available(ctx.device, gm.k_cache.dtype):
+        raise InvalidParameterError(
+            f"lowering 'onednn' needs float32 on a CPU with oneDNN; the model is {gm.k_cache.dtype} on {ctx.device}"
+        )
+    return EagerStep(onednn.pack_linears(fuse_projections(gm), ctx.packed), kind="onednn")
+
+
+def _gguf(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
+    graph = pack_gguf_linears(gm, ctx.planes)  # the linears without GGUF blocks run on oneDNN where it is available
+    if onednn.available(ctx.device, gm.k_cache.dtype):
+        graph = onednn.pack_linears(graph, ctx.packed)
+    return EagerStep(graph, kind="gguf")
+
+
+def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
+    """q|k|v and gate|up as one GEMM each (fewer kernels, backends.fuse_projections); replayed in CUDA
+    graphs on CUDA."""
+    from specpass.backends.inductor import InductorStep
+
+    if ctx.device.type != "cuda":
+        return InductorStep(fuse_projections(gm))
+    from specpass.backends.cudagraphs import CudaGraphStep
+
+    return CudaGraphStep(InductorStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
+
+
+def _cudagraphs(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
+    if ctx.device.type != "cuda":
+        raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {ctx.device}")
+    from specpass.backends.cudagraphs import CudaGraphStep
+
+    return CudaGraphStep(EagerStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
+
+
+LOWERINGS: dict[str, Lowering] = {
+    lowering.name: lowering
+    for lowering in (
+        Lowering("eager", _eager, devices=("cpu", "cuda"), batches=True, replays=False),
+        Lowering("onednn", _onednn, devices=("cpu",), batches=True, replays=False),
+        Lowering("gguf", _gguf, devices=("cpu",), batches=False, replays=False),
+        Lowering("inductor", _inductor, devices=("cpu", "cuda"), batches=True, replays=True),
+        Lowering("cudagraphs", _cudagraphs, devices=("cuda",), batches=True, replays=True),
+    )
+}
+AUTO = "auto"
 
 
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
@@ -32,7 +130,7 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     starts in seconds."""
     if lowering == "gguf":  # the quantized kernels, and float32 where a tree size runs faster on them
         return ("onednn" if onednn.available(device, dtype) else "eager", "gguf")
-    if lowering != "auto":
+    if lowering != AUTO:
         return (lowering,)
     if device.type == "cuda":
         return ("inductor",)
@@ -41,58 +139,28 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
 
 def lower(
     gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int
-) -> tuple[Callable, EagerStep | None, EagerStep | None]:
+) -> tuple[Step, EagerStep | None, EagerStep | None]:
     """(the lowered verify step, the lowered draft graph or None, the lowered resume graph or None).
     The side graphs (ir.draft) run eagerly, on oneDNN-packed weights on a CPU (sharing the verify
     step's packed weights: its LM head, and for a resume graph its layers), and on the GGUF planes
     where the lowering is `gguf`."""
     kinds = resolve_lowering(lowering, device, gm.k_cache.dtype)
-    packed: dict = {}  # oneDNN-packed weights, shared by the graphs lowered here
-    planes = gguf_planes(gm) if "gguf" in kinds else {}  # GGUF int4 planes, shared likewise
-    steps = {kind: _lower_one(gm, kind, device, max_nodes, cache_size, packed, planes) for kind in kinds}
-    draft, resume = (_lower_side(g, packed, planes) for g in (draft_graph(gm), resume_graph(gm)))
+    unknown = [kind for kind in kinds if kind not in LOWERINGS]
+    if unknown:
+        raise InvalidParameterError(f"unknown lowering {unknown[0]!r}; known: {AUTO}, {', '.join(LOWERINGS)}")
+    ctx = BuildContext(device, max_nodes, cache_size, packed={}, planes=gguf_planes(gm) if "gguf" in kinds else {})
+    steps = {kind: LOWERINGS[kind].build(gm, ctx) for kind in kinds}
+    draft, resume = (_lower_side(g, ctx) for g in (draft_graph(gm), resume_graph(gm)))
     if len(steps) == 1:
         return steps[kinds[0]], draft, resume
     return FastestPerSize(steps, default=kinds[-1]), draft, resume
 
 
-def _lower_side(graph: torch.fx.GraphModule | None, packed: dict, planes: dict) -> EagerStep | None:
+def _lower_side(graph: torch.fx.GraphModule | None, ctx: BuildContext) -> EagerStep | None:
     if graph is None:
         return None
-    if planes:
-        graph = pack_gguf_linears(graph, planes)
-    if packed:
-        graph = onednn.pack_linears(graph, packed)
-    return EagerStep(graph, kind="gguf" if planes else "onednn" if packed else "eager")
-
-
-def _lower_one(gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int,
-               packed: dict, planes: dict) -> Callable:  # fmt: skip
-    if lowering == "eager":
-        return EagerStep(gm)
-    if lowering == "gguf":  # the linears without GGUF blocks run on oneDNN where it is available
-        graph = pack_gguf_linears(gm, planes)
-        if onednn.available(device, gm.k_cache.dtype):
-            graph = onednn.pack_linears(graph, packed)
-        return EagerStep(graph, kind="gguf")
-    if lowering == "onednn":
-        if not onednn.available(device, gm.k_cache.dtype):
-            raise InvalidParameterError(
-                f"lowering 'onednn' needs float32 on a CPU with oneDNN; the model is {gm.k_cache.dtype} on {device}"
-            )
-        return EagerStep(onednn.pack_linears(fuse_projections(gm), packed), kind="onednn")
-    if lowering == "inductor":  # q|k|v and gate|up as one GEMM each: fewer kernels (backends.fuse_projections)
-        from specpass.backends.inductor import InductorStep
-
-        if device.type != "cuda":
-            return InductorStep(fuse_projections(gm))
-        from specpass.backends.cudagraphs import CudaGraphStep
-
-        return CudaGraphStep(InductorStep(fuse_projections(gm)), max_nodes=max_nodes, cache_size=cache_size)
-    if lowering == "cudagraphs":
-        if device.type != "cuda":
-            raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {device}")
-        from specpass.backends.cudagraphs import CudaGraphStep
-
-        return CudaGraphStep(EagerStep(fuse_projections(gm)), max_nodes=max_nodes, cache_size=cache_size)
-    raise InvalidParameterError(f"unknown lowering {lowering!r}")
+    if ctx.planes:
+        graph = pack_gguf_linears(graph, ctx.planes)
+    if ctx.packed:
+        graph = onednn.pack_linears(graph, ctx.packed)
+    return EagerStep(graph, kind="gguf" if ctx.planes else "onednn" if ctx.packed else "eager")

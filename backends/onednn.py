@@ -28,8 +28,6 @@ from torch import nn
 from specpass.backends.derived_cache import DerivedCache
 from specpass.ir import copy_step, replace_node
 
-LINEAR_OP = "mkldnn._linear_pointwise"
-
 _PACKED: DerivedCache[torch.Tensor] = DerivedCache()  # weight -> its packed form
 
 

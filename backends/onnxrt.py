@@ -17,7 +17,7 @@ output lives in a static buffer per (tree-size bucket, cache bucket), the tree p
 PyTorch CUDA-graph lowering's own helper (`backends.buckets`), and ORT captures one CUDA graph per
 bucket (`gpu_graph_id`).
 
-Batches (`rows` > 1, backends.batch_decode). The export takes B as a dynamic axis; row b of the cache
+Batches (`rows` > 1; one sequence is a batch of one, backends.decode). The export takes B as a dynamic axis; row b of the cache
 buffers is sequence b, laid out as alone (per-row offsets, as in the PyTorch lowering), and each row
 commits its own path. The buffers hold exactly the live rows, so IOBinding binds them as they are:
 when rows finish, `keep_rows` gathers the live ones into new, smaller buffers (once per finishing
@@ -140,53 +140,40 @@ class OrtProgram(DecodeProgram):
             "past_mask": layout.prefix_mask(self.keys.shape[3])[None], "tree_mask": layout.ancestors[None],
         }  # fmt: skip
 
-    def forward_rows(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
         batch = len(layout.rows)
         self.check_rows(batch)
         tokens, layout = tokens.to(self.device), layout.to(self.device)
         self._reserve(batch, max(row.committed for row in layout.rows) + 1)
-        step = layout.step_inputs(tokens)
-        slots = torch.arange(self.keys.shape[3], device=self.device)  # [S]
-        committed = torch.tensor([row.committed for row in layout.rows], device=self.device)  # [B]
-        past_mask = (slots[None, :] < committed[:, None])[:, None, :].expand(batch, layout.size, -1)  # [B, T, S]
-        inputs = {"input_ids": tokens, "positions": step["positions"], "past_keys": self.keys,
-                  "past_values": self.values, "past_mask": past_mask, "tree_mask": step["tree_mask"]}  # fmt: skip
-        outputs = self._run(inputs, layout.size)
+        if self.cuda_graphs:  # one row (rows > 1 is refused with cuda_graphs)
+            outputs = self._run_graph(tokens, layout.rows[0])
+        else:
+            step = layout.step_inputs(tokens)
+            slots = torch.arange(self.keys.shape[3], device=self.device)  # [S]
+            committed = torch.tensor([row.committed for row in layout.rows], device=self.device)  # [B]
+            past_mask = (slots[None, :] < committed[:, None])[:, None, :].expand(batch, layout.size, -1)  # [B, T, S]
+            inputs = {"input_ids": tokens, "positions": step["positions"], "past_keys": self.keys,
+                      "past_values": self.values, "past_mask": past_mask, "tree_mask": step["tree_mask"]}  # fmt: skip
+            outputs = self._run(inputs, layout.size)
         self._new = (outputs["new_keys"], outputs["new_values"])
+        self.queries = outputs.get(QUERIES_OUTPUT)
         return outputs["logits"], outputs["hidden"]
 
-    def commit_rows(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+        """Copy each row's path from the last step's new_keys / new_values into its committed slots."""
         if self._new is None:
             raise SpecpassError("commit before any forward")
         self._reserve(len(layout.rows), max(row.committed + len(p) for row, p in zip(layout.rows, paths)))
         for b, (row, path) in enumerate(zip(layout.rows, paths, strict=True)):
             if not path:
                 continue
-            nodes = torch.tensor(list(path), device=self.device)
+            nodes = torch.tensor(path, device=self.device)
             for cache, new in zip((self.keys, self.values), self._new):  # new: [L, B, KV, T, D]
                 cache[:, b, :, row.committed : row.committed + len(path)] = new[:, b].index_select(2, nodes)
-        return [row.committed + len(path) for row, path in zip(layout.rows, paths)]
 
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         index = torch.tensor(list(keep), device=self.device)
         self.keys, self.values = self.keys.index_select(1, index), self.values.index_select(1, index)
-
-    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, layout = tokens.to(self.device), layout.to(self.device)
-        self._reserve(1, layout.committed + 1)
-        if self.cuda_graphs:
-            outputs = self._run_graph(tokens[None], layout)
-        else:
-            outputs = self._run(self._inputs(tokens[None], layout.positions()[None], layout), layout.size)
-        self._new = (outputs["new_keys"], outputs["new_values"])
-        self.queries = outputs.get(QUERIES_OUTPUT)
-        return outputs["logits"][0], outputs["hidden"][0]
-
-    def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
-        committed = self.commit_rows(RowsLayout((layout,)), [path])[0]
-        if self.eviction is not None:
-            return self.eviction.after_commit(layout, path)
-        return committed
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values

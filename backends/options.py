@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from specpass.backends.lowering import AUTO, LOWERINGS
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError
 from specpass.ir import ArchSpec
 from specpass.passes import Pipeline
 from specpass.rewrites import TreeAttention
 
-LOWERINGS = ("auto", "eager", "onednn", "gguf", "inductor", "cudagraphs")
 
 
 def check_budget(budget) -> None:
@@ -55,8 +55,8 @@ class CompileOptions:
             raise InvalidParameterError(f"options['pipeline'] must be a specpass.Pipeline, got {self.pipeline!r}")
         if not isinstance(self.drafter, Drafter):
             raise InvalidParameterError(f"options['drafter'] must be a specpass drafter, got {self.drafter!r}")
-        if self.lowering not in LOWERINGS:
-            raise InvalidParameterError(f"options['lowering'] must be one of {LOWERINGS}, got {self.lowering!r}")
+        if self.lowering != AUTO and self.lowering not in LOWERINGS:
+            raise InvalidParameterError(f"options['lowering'] must be one of {(AUTO, *LOWERINGS)}, got {self.lowering!r}")
         if not isinstance(self.cache_size, int) or isinstance(self.cache_size, bool) or self.cache_size < 2:
             raise InvalidParameterError(f"options['cache_size'] must be an int >= 2, got {self.cache_size!r}")
 

@@ -20,7 +20,8 @@ from specpass.backends import cost, distributed
 from specpass.backends.compile import specpass_backend
 from specpass.backends.eviction import Eviction, GraphEviction
 from specpass.backends.guard import ProgramGuard
-from specpass.backends.kv import compact, compact_rows, keep_rows
+from specpass.backends.kv import compact, keep_rows
+from specpass.backends.lowering import LOWERINGS
 from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import Drafter
@@ -65,8 +66,9 @@ class DecodeProgram(ABC):
     """A verify step with its KV cache, the drafter feeding it, and the device's measured cost curve.
 
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), verifies_trees (False:
-    draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), and implement
-    `forward`, `commit` and `kv_buffers`. An evicting program (rewrites.kv_eviction) sets `max_step`:
+    draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), rows (sequences
+    its cache holds), and implement `forward`, `compact`, `keep_rows` and `kv_buffers`. Every call is
+    over rows: one sequence is a batch of one (backends.decode). An evicting program (rewrites.kv_eviction) sets `max_step`:
     the most tokens one forward may take (prompts are fed in pieces), and `eviction`, run after each
     commit (its commits free cache slots).
     budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
@@ -87,7 +89,7 @@ class DecodeProgram(ABC):
         self._cost: cost.CostCurve | None = None
         self.guard = ProgramGuard()  # one generation at a time (backends.guard)
 
-    rows = 1  # sequences the program's cache holds (batched decoding, backends.batch_decode)
+    rows = 1  # sequences the program's cache holds (row b of a batch in cache row b)
     pad_token_id: int | None = None  # the model's pad token, when it has one (a batch's output padding)
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
     max_step: int | None = None  # evicting programs: the most tokens a forward takes (None: the cache's room)
@@ -100,34 +102,41 @@ class DecodeProgram(ABC):
         return size
 
     @abstractmethod
-    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run tokens [T] int64 laid out by `layout` (its ancestor mask is a chain's when the program
-        does not verify trees); returns logits [T, V], hidden [T, H] on the program's device. Tokens
-        and layout may be on the host (what the decode loop passes) or on that device."""
+    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """One verify forward of B rows' steps: tokens [B, T] int64 (layout.pad_tokens) laid out by
+        `layout` (row b in cache row b; each ancestor mask a chain's when the program does not verify
+        trees); returns logits [B, T, V], hidden [B, T, H] on the program's device (padding nodes'
+        outputs are meaningless). Tokens and layout may be on the host (what the decode loop passes) or
+        on that device."""
 
-    def forward_rows(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of several rows' steps: tokens [B, T] (layout.pad_tokens) -> logits [B, T, V],
-        hidden [B, T, H] (padding positions' outputs are meaningless). Programs of several rows."""
-        raise NotImplementedError(f"{type(self).__name__} runs one sequence")
+    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify tokens whose layers below the early exit already ran in their slots (their states after
+        those layers: exit_hidden [B, T, H], padding nodes' arbitrary); returns what `forward` does."""
+        raise NotImplementedError(f"{type(self).__name__} has no resume graph")
 
-    def commit_rows(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+    def commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
         """Keep each row's accepted path (node indices, root first) in consecutive slots of its own cache
-        row; the other rows' caches are not touched. Returns each row's committed length."""
-        raise NotImplementedError(f"{type(self).__name__} runs one sequence")
+        row, from its committed length on; the other rows' caches are not touched. Returns how many
+        slots of each row hold committed tokens now (fewer after an eviction)."""
+        paths = [list(path) for path in paths]
+        self.compact(layout, paths)
+        if self.eviction is not None:  # one row: check_rows refuses more with an evicting cache
+            return [self.eviction.after_commit(row, path) for row, path in zip(layout.rows, paths, strict=True)]
+        return [row.committed + len(path) for row, path in zip(layout.rows, paths, strict=True)]
 
+    @abstractmethod
+    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+        """Move each row's path's K/V into slots committed_b, committed_b + 1, ... of its cache row."""
+
+    @abstractmethod
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         """Move the cache rows `keep` (ascending) to rows 0, 1, ... (their first `slots` slots): what
         the next forwards of len(keep) rows read, once the other rows' sequences ended."""
-        raise NotImplementedError(f"{type(self).__name__} runs one sequence")
 
     def drafting_row(self, row: int) -> contextlib.AbstractContextManager:
         """Inside the block, a cache-sharing draft graph (EarlyExit / LayerSkip) drafts for cache row
         `row` (a batch's rows draft one after another). No-op for programs without one."""
         return contextlib.nullcontext()
-
-    def forward_rows_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_from_exit` for several rows: exit_hidden [B, T, H] (padding nodes' states arbitrary)."""
-        raise NotImplementedError(f"{type(self).__name__} has no resume graph")
 
     def check_rows(self, rows: int) -> None:
         """Raise InvalidParameterError when a batch of `rows` sequences cannot run on this program."""
@@ -138,21 +147,10 @@ class DecodeProgram(ABC):
             )
 
     def measured_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward a cost curve times: every row of the program running `layout`'s step."""
-        if self.rows == 1:
-            return self.forward(tokens, layout)
-        logits, hidden = self.forward_rows(tokens[None].expand(self.rows, -1), RowsLayout((layout,) * self.rows))
+        """The forward a cost curve times: tokens [T] laid out by `layout` in every row of the program;
+        returns row 0's logits [T, V], hidden [T, H]."""
+        logits, hidden = self.forward(tokens[None].expand(self.rows, -1), RowsLayout((layout,) * self.rows))
         return logits[0], hidden[0]
-
-    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verify tokens whose layers below the early exit already ran in their slots (their states after
-        those layers: exit_hidden [T, H]); returns logits [T, V], hidden [T, H] as `forward` does."""
-        raise NotImplementedError(f"{type(self).__name__} has no resume graph")
-
-    @abstractmethod
-    def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
-        """Keep the K/V of the step's nodes `path` (root first) in slots committed, committed + 1, ...;
-        returns how many slots hold committed tokens now (fewer after an eviction)."""
 
     @property
     def evicts(self) -> bool:
@@ -206,13 +204,12 @@ class DecodeProgram(ABC):
 class SpeculativeProgram(DecodeProgram):
     """The captured, rewritten and lowered step of `model` with its static KV cache.
 
-    rows: how many sequences its cache holds (batched decoding, backends.batch_decode). A program of
-    several rows verifies every row's tree in one forward (`forward_rows`), commits each row's path in
-    its own cache row (`commit_rows`) and measures its cost curve on forwards of all its rows, T tokens
-    each. It runs on the eager, oneDNN, inductor and CUDA-graph lowerings (the replayed graphs are
-    bucketed by rows too, backends.cudagraphs), with every drafter (a cache-sharing draft graph drafts
-    each row in its own cache row: `drafting_row`), without the GGUF kernels, KV eviction or tensor
-    parallelism; those are refused with the reason.
+    rows: how many sequences its cache holds. A program of several rows verifies every row's tree in
+    one forward, commits each row's path in its own cache row and measures its cost curve on forwards
+    of all its rows, T tokens each. Several rows run on the eager, oneDNN, inductor and CUDA-graph
+    lowerings (the replayed graphs are bucketed by rows too, backends.cudagraphs), with every drafter
+    (a cache-sharing draft graph drafts each row in its own cache row: `drafting_row`) and with tensor
+    parallelism; not with the GGUF kernels or KV eviction: those are refused with the reason.
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions, rows: int = 1):
@@ -246,53 +243,42 @@ class SpeculativeProgram(DecodeProgram):
 
     def _check_rows(self) -> None:
         """Refuse what a program of several rows does not run (see the class docstring)."""
-        run = self.step.run
-        kinds = set(getattr(run, "kinds", None) or (getattr(run, "kind", type(run).__name__),))
+        kinds = set(self.step.run.kinds)
         reasons = []
-        batched = {"eager", "onednn", "inductor", "cudagraphs"}
+        batched = {name for name, lowering in LOWERINGS.items() if lowering.batches}
         if not kinds <= batched:
             reasons.append(f"the {'/'.join(sorted(kinds - batched))} lowering (use lowering='auto', or one of "
                            f"{', '.join(sorted(batched))})")  # fmt: skip
         if self.evicts:
             reasons.append("KV eviction")
-        if self.tensor_parallel:
-            reasons.append("TensorParallel")
         if reasons:
             raise InvalidParameterError(f"batch size {self.rows} (more than one sequence) does not run with "
                                         f"{'; '.join(reasons)}; generate those one sequence at a time")  # fmt: skip
 
-    def forward_rows(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_rows(len(layout.rows))
-        logits, hidden = self.step(tokens, layout)[:2]
+        logits, hidden = self.step(tokens, layout)[:2]  # [B, T, V], [B, T, H]
         return logits, hidden
 
-    def commit_rows(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_rows(len(layout.rows))
+        ids = torch.zeros(exit_hidden.shape[:2], dtype=torch.long, device=self.device)  # [B, T]: the resume graph reads none
+        inputs = layout.to(self.device).step_inputs(ids) | {EXIT_HIDDEN: exit_hidden}  # exit_hidden [B, T, H]
+        logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [B, T, V], [B, T, H]
+        return logits, hidden
+
+    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+        if self.tensor_parallel:
+            distributed.check_same_paths(paths)
         rows, src, dst = layout.moves(paths)
         if src:
-            index = [torch.tensor(x, device=self.device) for x in (rows, src, dst)]
-            compact_rows(self.k_cache, self.v_cache, *index)
-        return [row.committed + len(path) for row, path in zip(layout.rows, paths)]
+            compact(self.k_cache, self.v_cache, *(torch.tensor(x, device=self.device) for x in (rows, src, dst)))
 
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         keep_rows(self.k_cache, self.v_cache, keep, slots)
 
     def agreed_size(self, size: int) -> int:
         return distributed.rank0_int(size) if self.tensor_parallel else size
-
-    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, hidden = self.step(tokens[None], layout)[:2]  # [1, T, V], [1, T, H]
-        return logits[0], hidden[0]
-
-    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, hidden = self.forward_rows_from_exit(exit_hidden[None], RowsLayout((layout,)))  # [1, T, V], [1, T, H]
-        return logits[0], hidden[0]
-
-    def forward_rows_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        self.check_rows(len(layout.rows))
-        ids = torch.zeros(exit_hidden.shape[:2], dtype=torch.long, device=self.device)  # [B, T]: the resume graph reads none
-        inputs = layout.to(self.device).step_inputs(ids) | {EXIT_HIDDEN: exit_hidden}  # exit_hidden [B, T, H]
-        logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [B, T, V], [B, T, H]
-        return logits, hidden
 
     @contextlib.contextmanager
     def drafting_row(self, row: int) -> Iterator[None]:
@@ -316,7 +302,7 @@ class SpeculativeProgram(DecodeProgram):
         large T."""
         run = self.step.run
         if self.tensor_parallel:  # a fixed number of forwards on every rank, and rank 0's timings
-            curve = cost.measure(self.forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
+            curve = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
             return cost.CostCurve(curve.sizes, distributed.rank0_floats(curve.seconds))
         if not isinstance(run, FastestPerSize):
             return cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
@@ -332,17 +318,6 @@ class SpeculativeProgram(DecodeProgram):
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache, self.v_cache
-
-    def commit(self, layout: SlotLayout, path: Sequence[int]) -> int:
-        if self.tensor_parallel:
-            distributed.check_same_path(path)
-        src, dst = layout.moves(path)
-        if src:
-            src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-            compact(self.k_cache, self.v_cache, src, dst)
-        if self.eviction is not None:
-            return self.eviction.after_commit(layout, path)
-        return layout.committed + len(path)
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -21,7 +21,6 @@ ARCH_META = "specpass_arch"
 GGUF_META = "specpass_gguf"  # the GGUF file the model was loaded from (specpass.models), or None
 GGUF_ATTRIBUTE = "specpass_gguf_file"  # where specpass.models records that file on a loaded model
 PARTS_META = "specpass_parts"  # the model's own submodules (ir.families.ModelParts), for passes that reuse them
-INPUT_NAMES = ("input_ids", "positions", "kv_len")
 
 _MODULE_ROLES: dict[type, Role] = {
     ds.RotaryPositions: Role.ROPE,

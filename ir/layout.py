@@ -22,7 +22,7 @@ needs to its device (a CUDA-graph replay pads on the host and copies the padded 
 a graph it is encoded two ways, both defined here:
 
 * the static-cache step (rewrites.TreeAttention) takes `cache_slots` = the write slots and
-  `tree_mask` = the ancestor mask; the committed length is `cache_slots[0]` (`slot_visibility`);
+  `tree_mask` = the ancestor mask; row b's committed length is `cache_slots[b, 0]` (`slot_visibility`);
 * the functional step (backends.kv_io, for export) takes `past_mask` = `prefix_mask` and `tree_mask`
   (`past_and_tree_visibility`).
 """
@@ -84,16 +84,8 @@ class SlotLayout:
         return self.evicted + self.committed + self.ancestors.sum(-1) - 1
 
     def step_inputs(self, input_ids: torch.Tensor) -> dict:
-        """The static-cache step's inputs for `input_ids` [B, T] laid out here (a chain step reads
-        input_ids, positions and kv_len; a tree step also tree_mask and cache_slots)."""
-        batch = input_ids.shape[0]
-        return {
-            "input_ids": input_ids,  # [B, T]
-            "positions": self.positions()[None].expand(batch, -1),  # [B, T]
-            "kv_len": self.kv_len,
-            "tree_mask": self.ancestors[None].expand(batch, -1, -1),  # [B, T, T]
-            "cache_slots": self.write_slots()[None].expand(batch, -1),  # [B, T]
-        }
+        """The static-cache step's inputs for `input_ids` [B, T], every row laid out here (RowsLayout)."""
+        return RowsLayout((self,) * input_ids.shape[0]).step_inputs(input_ids)
 
     def prefix_mask(self, slots: int) -> torch.Tensor:
         """[T, slots] bool: which of a cache buffer's `slots` slots each token sees as committed prefix."""

@@ -1,6 +1,6 @@
 """Draft heads: trained Medusa or Hydra heads added to the step as its draft graph.
 
-Papers: Medusa, Hydra (and Clover, Chimera, Hidden Transfer for the family); see ../shared/seeds.
+Papers: Medusa, Hydra (and Clover, Chimera, Hidden Transfer for the family).
 
 Rewrite. The step module gains a draft graph (`ir.draft`, kind "heads"; `heads.modules.DraftStep`): the heads on
 final hidden states, then `vocab_head` and, for Hydra, the model's own token embedding. `vocab_head`

@@ -1,7 +1,6 @@
 """Early exit: the step's own first k layers as a draft model, sharing its KV cache (self-speculation).
 
-Papers: LayerSkip, Draft & Verify, Kangaroo, SWIFT (and DEL, SpecEE for the adaptive side); see
-../shared/seeds.
+Papers: LayerSkip, Draft & Verify, Kangaroo, SWIFT (and DEL, SpecEE for the adaptive side).
 
 Rewrite. The step gains two side graphs cut from the verify graph itself (ir.split), both sharing its
 modules and its KV-cache buffers:

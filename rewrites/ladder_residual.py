@@ -1,6 +1,6 @@
 """Ladder residual: each sub-layer of the chosen layers reads the residual stream from two sub-layers back.
 
-Paper: Ladder Residual (Zhang et al., 2025; see ../shared/seeds). Under tensor parallelism every
+Paper: Ladder Residual (Zhang et al., 2025). Under tensor parallelism every
 attention and MLP output is all-reduced before the next sub-layer may read it; the ladder lets the
 next sub-layer start on the stream as it was before that output arrived, so the all-reduce overlaps
 the next sub-layer's compute.

@@ -1,7 +1,7 @@
 """Layer skip: the step itself with some layers left out as a draft model, sharing its KV cache
 (self-speculation, SWIFT / Draft & Verify).
 
-Papers: SWIFT (on-the-fly layer skipping), Draft & Verify, Unified Layer Skipping; see ../shared/seeds.
+Papers: SWIFT (on-the-fly layer skipping), Draft & Verify, Unified Layer Skipping.
 
 Rewrite. The step gains two side graphs cut from the verify graph itself (ir.split), both sharing its
 modules and its KV-cache buffers, in the same form as rewrites.EarlyExit's, so `drafters.SelfDraft`

@@ -1,6 +1,6 @@
 """Tensor parallelism: the decode step sharded over the torch.distributed process group (Megatron-style).
 
-Paper context: Megatron-LM's column/row split; Ladder Residual for the overlap (../shared/seeds).
+Paper context: Megatron-LM's column/row split; Ladder Residual for the overlap.
 
 Rewrite, on rank r of a world of W processes (torch.distributed initialised, e.g. by `torchrun`):
 

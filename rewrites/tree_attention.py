@@ -1,16 +1,16 @@
 """Tree attention: verify a whole token tree in one forward of the target model.
 
-Papers: Medusa (tree attention), SpecInfer, Token Recycling, DySpec (see ../shared/seeds).
+Papers: Medusa (tree attention), SpecInfer, Token Recycling, DySpec.
 
 Rewrite. The captured step is a chain step: token t writes cache slot positions[0, t] and attends to
 every slot <= its position. The rewrite adds the two graph inputs that encode a step's slot layout
 (`ir.layout`: committed prefix, write slots, ancestor mask)
 
     tree_mask    [B, T, T] bool   tree_mask[b, i, j]: node j is node i or one of its ancestors
-    cache_slots  [T] int64        the write slots; cache_slots[0] is the committed length
+    cache_slots  [B, T] int64     row b's write slots; cache_slots[b, 0] is row b's committed length
 
 and replaces the chain mask by `ir.layout.slot_visibility`: node i sees slot s iff s is committed
-prefix or s == cache_slots[j] for an ancestor-or-self j of i. The cache writes index with
+prefix of its row or s == cache_slots[b, j] for an ancestor-or-self j of i. The cache writes index with
 `cache_slots` instead of the positions; positions (= committed length + depth) still drive rotary.
 
 Invariants. Logits of node i equal the chain step's logits for the path root -> i (a chain is the

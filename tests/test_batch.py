@@ -1,4 +1,4 @@
-"""Batched speculative decoding (backends/batch_decode.py): rows of different lengths in one forward,
+"""Batched speculative decoding (backends/decode.py, the one loop): rows of different lengths in one forward,
 ragged acceptance, per-row commits, rows finishing at different steps; every row equals that
 sequence decoded alone."""
 
@@ -10,7 +10,7 @@ from conftest import (
     FIXED_BUDGET, NEW_TOKENS, needs_cxx, padded, peaked_tiny_model, tiny_model, token_inside_an_accepted_draft,
     with_heads,
 )  # fmt: skip
-from specpass.backends.batch_decode import generate_rows
+from specpass.backends.decode import generate as decode
 from specpass.backends.options import CompileOptions
 from specpass.backends.program import SpeculativeProgram
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
@@ -148,26 +148,26 @@ def test_rows_forward_equals_each_row_alone():
     nodes = [torch.tensor([7, 8, 9]), torch.tensor([10, 11]), torch.tensor([12])]
     batch = _program(model, 3)
     prefill = RowsLayout(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
-    batch.forward_rows(prefill.pad_tokens(prompts), prefill)
+    batch.forward(prefill.pad_tokens(prompts), prefill)
     step = RowsLayout(tuple(SlotLayout(len(p), t) for p, t in zip(prompts, trees)))
-    logits, _ = batch.forward_rows(step.pad_tokens(nodes), step)  # [3, 3, V]
+    logits, _ = batch.forward(step.pad_tokens(nodes), step)  # [3, 3, V]
     for b, (prompt, tree, node_tokens) in enumerate(zip(prompts, trees, nodes)):
         alone = _program(model, 1)
-        alone.forward(prompt, SlotLayout.chain(0, len(prompt)))
-        expected, _ = alone.forward(node_tokens, SlotLayout(len(prompt), tree))  # [T_b, V]
-        torch.testing.assert_close(logits[b, : len(node_tokens)], expected, rtol=1e-5, atol=1e-5)
+        alone.forward(prompt[None], RowsLayout((SlotLayout.chain(0, len(prompt)),)))
+        expected, _ = alone.forward(node_tokens[None], RowsLayout((SlotLayout(len(prompt), tree),)))  # [1, T_b, V]
+        torch.testing.assert_close(logits[b, : len(node_tokens)], expected[0], rtol=1e-5, atol=1e-5)
         written = len(prompt) + len(node_tokens)
         torch.testing.assert_close(batch.k_cache[:, b, :, :written], alone.k_cache[:, 0, :, :written], rtol=1e-5, atol=1e-5)
 
 
-def test_commit_rows_leaves_the_other_rows_bit_identical():
+def test_commit_leaves_the_other_rows_bit_identical():
     model = tiny_model("llama")
     batch = _program(model, 3)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     layout = RowsLayout(tuple(SlotLayout(c, tree) for c in (4, 6, 2)))
-    batch.forward_rows(torch.randint(0, 96, (3, 3)), layout)
+    batch.forward(torch.randint(0, 96, (3, 3)), layout)
     before_k, before_v = batch.k_cache.clone(), batch.v_cache.clone()
-    committed = batch.commit_rows(layout, [[0], [0, 2], [0, 1]])  # only row 1 moves: node 2 -> slot 7
+    committed = batch.commit(layout, [[0], [0, 2], [0, 1]])  # only row 1 moves: node 2 -> slot 7
     assert committed == [5, 8, 4]
     for cache, before in ((batch.k_cache, before_k), (batch.v_cache, before_v)):
         assert torch.equal(cache[:, 0], before[:, 0]) and torch.equal(cache[:, 2], before[:, 2])
@@ -193,7 +193,7 @@ def test_rows_do_not_depend_on_each_other_and_mix_matching_and_unmatched_prompts
     program = _program(model, 3, drafter=PromptLookup())
     expected = {tuple(p): _hf_greedy(model, p, 30) for p in [repetitive, *others]}
     for batch in ([repetitive, others[0], others[1]], [others[2], repetitive]):
-        out = generate_rows(program, batch, max_new_tokens=30, eos_token_ids=[])
+        out = decode(program, batch, max_new_tokens=30, eos_token_ids=[])
         for prompt, tokens in zip(batch, out.new_tokens):
             assert list(tokens) == expected[tuple(prompt)]
         row = batch.index(repetitive)
@@ -232,7 +232,7 @@ def test_batch_requests_are_clear_errors():
         with pytest.raises(InvalidParameterError, match=message):
             specpass.generate(model, ids, **kwargs)
     with pytest.raises(InvalidParameterError, match="holds 2 sequence"):
-        generate_rows(_program(model, 2), [[1, 2], [3], [4]], max_new_tokens=2, eos_token_ids=[])
+        decode(_program(model, 2), [[1, 2], [3], [4]], max_new_tokens=2, eos_token_ids=[])
 
 
 def test_sampled_rows_equal_each_row_sampled_alone():
@@ -258,12 +258,12 @@ def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
     program = _program(model, 4)
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 4)]
     prefill = RowsLayout(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
-    program.forward_rows(prefill.pad_tokens(prompts), prefill)
+    program.forward(prefill.pad_tokens(prompts), prefill)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     layout = RowsLayout((SlotLayout(7, tree), SlotLayout.chain(4, 2)))
     tokens = layout.pad_tokens([torch.tensor([5, 6, 7]), torch.tensor([8, 9])])  # [2, 3]
     committed = [program.k_cache[:, b, :, :n].clone() for b, n in enumerate((7, 4))]
-    expected, _ = program.forward_rows(tokens, layout)  # [2, 3, V]
+    expected, _ = program.forward(tokens, layout)  # [2, 3, V]
     real = [program.k_cache[:, 0, :, 7:10].clone(), program.k_cache[:, 1, :, 4:6].clone()]
     inputs = layout.step_inputs(tokens, size=8, batch=4)
     assert inputs["input_ids"].shape == (4, 8) and inputs["kv_len"] == 15
@@ -288,23 +288,23 @@ def test_inductor_rows_equal_hf_greedy_alone():
     prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11, 8)]
     inductor = _program(model, 3, drafter=PromptLookup(), lowering="inductor")
     assert inductor.step.run.kind == "inductor"
-    out = generate_rows(inductor, prompts, max_new_tokens=20, eos_token_ids=[])
+    out = decode(inductor, prompts, max_new_tokens=20, eos_token_ids=[])
     assert [list(t) for t in out.new_tokens] == [_hf_greedy(model, p, 20) for p in prompts]
 
 
 def _self_draft_rows(model, pipeline, drafter, prompts: list[list[int]], new: int = 30):
-    """generate_rows of a self-drafting program against HF greedy of each prompt alone; returns the
+    """The loop over a self-drafting program against HF greedy of each prompt alone; returns the
     program's count of resumed forwards (steps verified from the exit states the drafts left)."""
     program = _program(model, len(prompts), pipeline=pipeline, drafter=drafter, budget=5)
     resumed = {"calls": 0}
-    resume = program.forward_rows_from_exit
+    resume = program.forward_from_exit
 
     def counted(*args):
         resumed["calls"] += 1
         return resume(*args)
 
-    program.forward_rows_from_exit = counted
-    out = generate_rows(program, prompts, max_new_tokens=new, eos_token_ids=[])
+    program.forward_from_exit = counted
+    out = decode(program, prompts, max_new_tokens=new, eos_token_ids=[])
     for prompt, tokens in zip(prompts, out.new_tokens):
         assert list(tokens) == _hf_greedy(model, prompt, new)
     return resumed["calls"], out
@@ -350,3 +350,20 @@ def test_self_draft_batch_on_the_default_model(default_model, cases):
     for b, (prompt, reference) in enumerate(chosen):
         assert list(out.new_tokens[b]) == _continuation(reference, prompt, 48)
     assert sorted(s.finish_reason for s in out.stats) == ["eos", "length"]
+
+
+def test_one_seed_rule_for_rows_in_the_hf_hook():
+    """The hook samples every row with its one seed, as specpass.generate does with one seed: a row
+    samples exactly what its prompt samples alone (two copies of one prompt give the same tokens)."""
+    model = peaked_tiny_model()
+    prompt = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(8))
+    other = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(5))
+    ids, mask = padded([prompt, other, prompt])
+    hook = specpass.custom_generate({"lowering": "eager", "drafter": PromptLookup()})
+    sample = {"do_sample": True, "temperature": 0.9, "max_new_tokens": 16, "custom_generate": hook, "seed": 11,
+              "eos_token_id": None, "pad_token_id": 0}  # fmt: skip
+    batch = model.generate(ids, attention_mask=mask, **sample)
+    for b, row in ((0, prompt), (1, other)):
+        alone = model.generate(row, attention_mask=torch.ones_like(row), **sample)
+        assert batch[b, ids.shape[1] :].tolist() == alone[0, row.shape[1] :].tolist()
+    assert torch.equal(batch[0], batch[2])

@@ -135,7 +135,7 @@ def test_batched_rows_in_cuda_graphs_equal_eager_rows(lowering):
     """A batch replayed in CUDA graphs bucketed by rows: rows finish at different steps (one at an EOS,
     the others at the length limit), the graphs follow the live rows down, and every row's tokens are
     the eager lowering's."""
-    from specpass.backends.batch_decode import generate_rows
+    from specpass.backends.decode import generate as decode
     from specpass.drafters import PromptLookup
 
     model = peaked_tiny_model().cuda()
@@ -145,7 +145,7 @@ def test_batched_rows_in_cuda_graphs_equal_eager_rows(lowering):
     def run(lowering: str, eos: list[int]):
         options = {"lowering": lowering, "drafter": PromptLookup(), "budget": 8}
         program = specpass.compile_program(model, options, rows=3)
-        return program, generate_rows(program, prompts, max_new_tokens=40, eos_token_ids=eos)
+        return program, decode(program, prompts, max_new_tokens=40, eos_token_ids=eos)
 
     _, free = run("eager", [])
     eos = next(t for t in free.new_tokens[0][5:] if t not in free.new_tokens[1] and t not in free.new_tokens[2])

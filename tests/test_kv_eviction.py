@@ -271,12 +271,12 @@ def test_speculation_adds_no_change_and_the_cache_stays_within_its_budget(cls):
     program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(TreeAttention(16), policy),
                                                "drafter": drafter_by_name("combined"), "budget": 8})  # fmt: skip
     commit = program.commit
-    program.commit = lambda layout, path: occupancy.append((layout.kv_len, commit(layout, path))) or occupancy[-1][1]
+    program.commit = lambda layout, paths: occupancy.append((layout.kv_len, commit(layout, paths))) or occupancy[-1][1]
     spec = specpass.generate(program, ids, max_new_tokens=50, eos_token_id=[])
     assert spec.sequences[0, ids.shape[1] :].tolist() == one
     assert spec.stats.tau > 1.0  # speculation did accept drafts
     assert max(kv_len for kv_len, _ in occupancy) <= policy.budget  # no step ever needed a slot past the budget
-    evictions = sum(cached == policy.kept for _, cached in occupancy)
+    evictions = sum(cached == [policy.kept] for _, cached in occupancy)  # one row
     assert evictions >= (ids.shape[1] + 49 - policy.budget) // policy.chunk + 1  # every chunk tokens past the budget
     gm = program.step.graph_module
     assert gm.k_cache.shape[3] == policy.budget

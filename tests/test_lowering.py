@@ -199,3 +199,20 @@ def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_
     assert positions[0].tolist() == [30, 31, 31, 32, 33, 35, 36, 37] if tree_step else list(range(30, 38))
     assert torch.equal(gm.k_cache[:, :, :, :30], prefix)  # the committed prefix is untouched
     torch.testing.assert_close(gm.k_cache[:, :, :, 30:35], real_kv)  # the real nodes' K/V as unpadded
+
+
+def test_the_lowering_registry_is_the_one_list_of_lowerings_and_their_capabilities():
+    """CompileOptions accepts exactly `auto` and the registry's names, every built step says which
+    lowerings it runs, and a batch is refused on a lowering the registry marks as one-row only."""
+    from specpass.backends.lowering import LOWERINGS
+    from specpass.backends.options import CompileOptions
+    from specpass.errors import InvalidParameterError
+
+    for name in ("auto", *LOWERINGS):
+        assert CompileOptions(lowering=name).lowering == name
+    with pytest.raises(InvalidParameterError, match="must be one of .*'cudagraphs'"):
+        CompileOptions(lowering="tensorrt")
+    assert {name for name, lowering in LOWERINGS.items() if not lowering.batches} == {"gguf"}
+    assert LOWERINGS["cudagraphs"].devices == ("cuda",) and LOWERINGS["cudagraphs"].replays
+    step = specpass.compile_program(tiny_model("llama"), {"lowering": "eager", "budget": 1}).step.run
+    assert step.kinds == ("eager",)

@@ -12,7 +12,7 @@ import specpass
 from specpass.backends.onnx_export import export
 from specpass.cli import main
 from specpass.drafters import DraftTree
-from specpass.ir import SlotLayout
+from specpass.ir import RowsLayout, SlotLayout
 from specpass.passes import Pass, PassResult
 
 pytest.importorskip("onnxruntime")
@@ -52,11 +52,16 @@ def test_export_round_trip(tiny_exports, arch):
     assert graph_inputs == [i["name"] for i in manifest["inputs"]]
 
 
+def _forward(program, tokens, layout):
+    """One sequence's forward: tokens [T] laid out by `layout` (a SlotLayout) -> logits [T, V]."""
+    return program.forward(tokens[None], RowsLayout((layout,)))[0][0]
+
+
 def _prefill(program, prompt):
     n = prompt.shape[0]
-    layout = SlotLayout.chain(0, n)
-    program.forward(prompt, layout)
-    program.commit(layout, range(n))
+    layout = RowsLayout((SlotLayout.chain(0, n),))
+    program.forward(prompt[None], layout)
+    program.commit(layout, [range(n)])
     return n
 
 
@@ -65,7 +70,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
     program = specpass.load_onnx(result.directory, cache_size=128)
     n = _prefill(program, torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)))
     tree = DraftTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 3, 2), (1.0,) * 6, (None,) * 6)
-    tree_logits, _ = program.forward(torch.tensor(tree.tokens), SlotLayout(n, tree.ancestor_mask()))
+    tree_logits = _forward(program, torch.tensor(tree.tokens), SlotLayout(n, tree.ancestor_mask()))
     for leaf in (4, 5):
         path, node = [], leaf
         while node >= 0:
@@ -73,7 +78,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
             node = tree.parents[node]
         chain = torch.tensor([tree.tokens[i] for i in path])
         k = len(path)
-        chain_logits, _ = program.forward(chain, SlotLayout.chain(n, k))
+        chain_logits = _forward(program, chain, SlotLayout.chain(n, k))
         torch.testing.assert_close(tree_logits[path], chain_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -83,12 +88,12 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
     n = _prefill(program, prompt)
     tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 2), (1.0,) * 4, (None,) * 4)  # node 1 is rejected
-    layout = SlotLayout(n, tree.ancestor_mask())
-    program.forward(torch.tensor(tree.tokens), layout)
-    program.commit(layout, [0, 2, 3])
+    layout = RowsLayout((SlotLayout(n, tree.ancestor_mask()),))
+    program.forward(torch.tensor(tree.tokens)[None], layout)
+    program.commit(layout, [[0, 2, 3]])
     accepted = torch.cat([prompt, torch.tensor([5, 7, 8])])
     nxt = torch.tensor([9])
-    logits, _ = program.forward(nxt, SlotLayout.chain(n + 3, 1))
+    logits = _forward(program, nxt, SlotLayout.chain(n + 3, 1))
     with torch.no_grad():
         expected = model(torch.cat([accepted, nxt])[None]).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)

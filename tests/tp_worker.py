@@ -7,6 +7,9 @@ speculative greedy decoding under TP token for token (every
 step's accepted path is compared across ranks inside the program) against HF greedy for the plain
 model and single-process one-node greedy for the laddered one (HF cannot run it). Prints one OK line
 per check. (The default model over 3 processes: the README's torchrun command, in the test file.)
+
+`tp_worker.py batch` (3 processes): a batch of prompts of different lengths under TP, each row
+against HF greedy of that prompt alone, with the cost budget and with a fixed one.
 """
 
 from __future__ import annotations
@@ -84,9 +87,45 @@ def refusals() -> None:
     print(f"rank {dist.get_rank()} refusals: {len(cases)} refused with their reasons, graphs unchanged", flush=True)
 
 
+@torch.no_grad()
+def batch() -> None:
+    """Rows sharded like one sequence: a llama of 6 heads, 3 KV heads (a third on each of 3 ranks)."""
+    import transformers
+
+    from specpass.drafters import PromptLookup
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=3, max_position_embeddings=256)).eval()  # fmt: skip
+    model.lm_head.weight.mul_(8.0)  # a peaked next-token law: prompt lookup gets multi-token steps
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 96, (n,), generator=gen) for n in (5, 11, 8)]
+    prompts[1] = prompts[1].repeat(2)  # a repetitive row
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
+    expected = [model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=24,
+                               do_sample=False)[0, len(p) :].tolist() for p in prompts]  # fmt: skip
+    for budget in ("cost", 6):
+        options = {"pipeline": specpass.Pipeline(TreeAttention(16), TensorParallel()), "budget": budget,
+                   "drafter": PromptLookup(), "lowering": "eager"}  # fmt: skip
+        out = specpass.generate(model, ids, 24, attention_mask=mask, eos_token_id=[], options=options)
+        assert [list(t) for t in out.new_tokens] == expected, (budget, out.new_tokens, expected)
+        tau = max(s.tau for s in out.stats)
+        print(f"rank {dist.get_rank()} batch of {len(prompts)} rows, budget {budget}: every row equals HF greedy "
+              f"alone (largest tau {tau:.2f})", flush=True)  # fmt: skip
+
+
 def main(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    if argv == ["batch"]:
+        batch()
+        dist.destroy_process_group()
+        return
     refusals()
     for arch in ("llama", "qwen2", "mistral"):
         model = tiny_model(arch)

@@ -1,6 +1,6 @@
 """KV-cache eviction as a graph rewrite: the pass every policy (policies.py) shares.
 
-Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer (see ../shared/seeds).
+Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer.
 
 Semantics (the model a policy defines). The cache holds at most `budget` tokens per layer and KV
 head: the K/V buffers are cut to `budget` slots, so memory really falls. Tokens are committed in

@@ -7,9 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specpass.backends.batch_decode import BatchGeneration, check_rows, generate_rows, prompts_from
-from specpass.backends.decode import Generation, check_prompt
-from specpass.backends.decode import generate as _decode
+from specpass.backends.decode import generate as decode
+from specpass.backends.generation import BatchGeneration, Generation, check_rows, prompts_from
 from specpass.backends.program import DecodeProgram, program_for
 from specpass.backends.resolve import resolve
 from specpass.backends.sampling import Sampling, TargetChoice
@@ -47,6 +46,7 @@ def generate(
     min_p: float = 0.0,
     seed: int | Sequence[int] = 0,
     acceptance: str = "auto",
+    streamer=None,
 ) -> Generation | BatchGeneration:
     """Speculative generation; the tokens equal the model's plain decoding with the same settings.
 
@@ -59,14 +59,17 @@ def generate(
     keeps the distribution but not the tokens, unless acceptance="match" (backends/multi_candidate.py).
 
     A batch: input_ids [B, P] with attention_mask [B, P] (1: token, 0: padding, left or right), as in
-    Hugging Face. Every row's tokens equal that row generated alone (backends/batch_decode.py); the
+    Hugging Face. Every row's tokens equal that row generated alone, sampled rows included: a row
+    samples exactly what its prompt samples alone with the same seed (backends/decode.py); the
     result is a `BatchGeneration`: `sequences` [B, P + N] (prompts left-padded, then new tokens, then
     pad_token_id, default the model's pad token, else its EOS) and per-row `stats`. seed: one for
     every row, or one per row (rows with the same prompt and seed give the same tokens).
+
+    streamer (one prompt): Hugging Face's streamer interface (`TextStreamer`,
+    `TextIteratorStreamer`): it gets the prompt, then each step's accepted tokens as they are
+    accepted, then `end()`.
     """
     prompts = prompts_from(input_ids, attention_mask)
-    if len(prompts) == 1:
-        check_prompt(torch.tensor(prompts, dtype=torch.long).reshape(1, -1))  # [1, P]: an empty one is refused here
     check_rows(prompts, max_new_tokens)
     seeds = [seed] * len(prompts) if isinstance(seed, int) or not isinstance(seed, Sequence) else list(seed)
     if len(seeds) != len(prompts):
@@ -79,10 +82,10 @@ def generate(
         eos = program.eos_token_ids
     else:
         eos = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    batch = decode(program, prompts, max_new_tokens, eos, choices, pad_token_id=pad_token_id, streamer=streamer)
     if len(prompts) > 1:
-        return generate_rows(program, prompts, max_new_tokens, eos, choices, pad_token_id=pad_token_id)
-    ids = torch.tensor(prompts, dtype=torch.long, device=input_ids.device)  # [1, P]: without padding
-    return _decode(program, ids, max_new_tokens, eos, choices[0])
+        return batch
+    return Generation(batch.sequences.to(input_ids.device), batch.stats[0])  # [1, P + N]: one row, no padding
 
 
 def load_onnx(directory: str, **kwargs):

@@ -90,8 +90,8 @@ def _pytorch_runs(args: argparse.Namespace):
             return specpass.generate(model, ids, max_new_tokens, options=one_node, **sampling).sequences
         return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
 
-    def speculative(ids, max_new_tokens):
-        return specpass.generate(compiled, ids, max_new_tokens=max_new_tokens, **sampling)
+    def speculative(ids, max_new_tokens, streamer=None):
+        return specpass.generate(compiled, ids, max_new_tokens=max_new_tokens, streamer=streamer, **sampling)
 
     label = "plain sampling (one-node)" if sampling["do_sample"] else "plain greedy (same rewrites)" if lossy else "plain greedy (HF)"
     return tokenizer, reference, speculative, label
@@ -121,8 +121,8 @@ def _onnxrt_runs(args: argparse.Namespace):
     def reference(ids, max_new_tokens):
         return specpass.generate(plain, ids, max_new_tokens=max_new_tokens, **sampling).sequences
 
-    def speculative(ids, max_new_tokens):
-        return specpass.generate(program, ids, max_new_tokens=max_new_tokens, **sampling)
+    def speculative(ids, max_new_tokens, streamer=None):
+        return specpass.generate(program, ids, max_new_tokens=max_new_tokens, streamer=streamer, **sampling)
 
     return tokenizer, reference, speculative, "plain sampling (ORT)" if args.do_sample else "plain greedy (ORT)"
 
@@ -164,6 +164,7 @@ def _join_torchrun() -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
+    from transformers import TextStreamer
 
     from specpass.backends.sampling import Sampling
     from specpass.drafters.registry import drafter_by_name
@@ -175,12 +176,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     reference = plain(ids, args.max_new_tokens)
     plain_seconds = time.perf_counter() - started
-    out = speculative(ids, args.max_new_tokens)
+    # rank 0 prints the speculative output as its tokens are accepted (tensor-parallel ranks hold the same result)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if _rank() == 0 else None
+    out = speculative(ids, args.max_new_tokens, streamer)
     same = torch.equal(out.sequences, reference)
-    if _rank() != 0:  # tensor-parallel ranks hold the same result: rank 0 prints it
+    if _rank() != 0:
         return 0 if same else 1
-
-    print(tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
     print()
     plain_tokens = reference.shape[1] - ids.shape[1]
     plain_rate = plain_tokens / plain_seconds

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specpass.backends.decode import CacheCursor, feed
+from specpass.backends.decode import feed
 from specpass.backends.decode import generate as decode
+from specpass.backends.sequence import CacheCursor
 from specpass.backends.options import CompileOptions
 from specpass.backends.program import SpeculativeProgram
 from specpass.drafters.registry import drafter_by_name
@@ -87,17 +88,16 @@ def _program(model, policy_name: str, budget: int, chunk: int, cache_size: int, 
 def perplexity_and_continuation(program, ids: torch.Tensor, chunk: int, new_tokens: int) -> tuple[float, list[int]]:
     """Perplexity of ids [N] fed through the decode path, then `new_tokens` greedy tokens one a step."""
     cursor, nll, position = CacheCursor(), 0.0, 0
-    for logits, _ in feed(program, ids, cursor, piece=chunk):  # [n, V]
+    for logits, _, _ in feed(program, [ids.tolist()], [cursor], piece=chunk):  # [1, n, V]
+        logits = logits[0]  # [n, V]
         targets = ids[position + 1 : position + 1 + logits.shape[0]]
         log_probs = logits[: targets.shape[0]].float().log_softmax(-1)
         nll -= log_probs.gather(1, targets[:, None]).sum().item()
         position += logits.shape[0]
     tokens = [int(logits[-1].argmax())]
     for _ in range(new_tokens - 1):
-        layout = cursor.layout(torch.ones(1, 1, dtype=torch.bool))
-        logits, _ = program.forward(torch.tensor(tokens[-1:]), layout)
-        cursor.commit(program, layout, [0])
-        tokens.append(int(logits[-1].argmax()))
+        for logits, _, _ in feed(program, [tokens[-1:]], [cursor], piece=1):  # [1, 1, V]
+            tokens.append(int(logits[0, -1].argmax()))
     return math.exp(nll / (ids.shape[0] - 1)), tokens
 
 
@@ -115,7 +115,7 @@ def passkey_hits(program, tokenizer, length: int, seeds: int, depths: int) -> li
     for seed in range(seeds):
         for d in range(depths):
             ids, key = passkey_prompt(tokenizer, length, d / max(depths - 1, 1), seed)
-            out = decode(program, ids, 8, eos_token_ids=()).sequences[0, ids.shape[1] :]
+            out = list(decode(program, ids.tolist(), 8, eos_token_ids=()).new_tokens[0])
             answer = "".join(ch for ch in tokenizer.decode(out).strip().split(" ")[0] if ch.isdigit())
             hits[d] += answer == key
     return hits

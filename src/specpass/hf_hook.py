@@ -12,19 +12,19 @@ a `streamer` to a callable hook (it puts the prompt into it itself and keeps it)
 the hook is not available. Sampling draws its noise from a seed: the hook's own
 `seed=` argument (`model.generate(..., seed=7, custom_generate=...)`), else one int drawn from
 torch's global generator, so `torch.manual_seed` makes a run reproducible. A padded batch
-(input_ids [B, P] with attention_mask, padding on either side) runs as specpass.generate's batch
-(backends/batch_decode.py); the result is HF's layout (the input as given, each row's new tokens,
-then the pad token); when sampling, row b draws with seed + b, so identical prompts give different samples.
+(input_ids [B, P] with attention_mask, padding on either side) runs in specpass.generate's loop
+(backends/decode.py); the result is HF's layout (the input as given, each row's new tokens, then the
+pad token). One seed rule for rows, as in specpass.generate: every row samples with the one seed, so a
+row samples exactly what its prompt samples alone (identical prompts give identical samples; give
+specpass.generate one seed per row for independent ones).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from specpass.backends.batch_decode import generate_rows, prompts_from, with_new_tokens
 from specpass.backends.decode import generate as decode
+from specpass.backends.generation import prompts_from, with_new_tokens
 from specpass.backends.sampling import Sampling, TargetChoice
 from specpass.errors import UnsupportedSettingError
 
@@ -83,11 +83,8 @@ def custom_generate(options=None):
             )
         prompts = prompts_from(input_ids, kwargs.get("attention_mask"))
         program = compile_program(model, options, rows=len(prompts))
-        if len(prompts) == 1 and len(prompts[0]) == input_ids.shape[1]:
-            return decode(program, input_ids, max_new, _eos(config), TargetChoice(processors, sampling), stop).sequences
-        choices = [TargetChoice(processors, dataclasses.replace(sampling, seed=sampling.seed + b) if config.do_sample
-                                else sampling) for b in range(len(prompts))]  # fmt: skip
-        batch = generate_rows(program, prompts, max_new, _eos(config), choices, stop)
+        choices = [TargetChoice(processors, sampling)] * len(prompts)
+        batch = decode(program, prompts, max_new, _eos(config), choices, stop)
         pad = config.pad_token_id if isinstance(config.pad_token_id, int) else next(iter(_eos(config)), 0)
         return with_new_tokens(input_ids, batch.new_tokens, pad)  # HF's layout: the input as given, then new tokens
 
