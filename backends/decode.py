@@ -39,6 +39,7 @@ from specpass.errors import InvalidParameterError
 from specpass.ir.layout import RowsLayout
 
 PREFILL_TOKENS = 512  # tokens per prefill forward, over all rows (bounds the prompt's logits in memory)
+MIN_DRAFTED = 4  # the fewest nodes a row drafts under the cost budget (the tree grows from there by doubling)
 
 
 @one_generation_at_a_time
@@ -102,10 +103,13 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
     curve = program.cost_curve if program.budget == "cost" else None
     live = _retire(program, seqs)  # live[i] owns cache row i
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
+    # nodes a row drafts: a fixed budget's, or (cost budget) twice the size verified last step, so the
+    # drafting work follows what the forward verifies (best-first: a smaller tree is the larger one's prefix)
+    drafted = program.max_nodes if curve is not None else min(program.max_nodes, program.budget)
     last_step = started
     while live:
         step_started = last_step = time.perf_counter()
-        room = min(program.room(s.cursor.cached) for s in live)
+        room = min(program.room(s.cursor.cached) for s in live)  # the most tokens any row's step may take
         if room < 1:  # a row at the end of its cache ends; the others go on
             for s in live:
                 if program.room(s.cursor.cached) < 1:
@@ -115,7 +119,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
         trees = []
         for b, s in enumerate(live):
             with program.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
-                trees.append(s.draft(program, room))
+                trees.append(s.draft(program, min(room, drafted)))
         size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
         trees = [t.prefix(min(program.agreed_size(size), room)) for t in trees]
         layout = RowsLayout(tuple(s.cursor.layout(t.ancestor_mask()) for s, t in zip(live, trees)))
@@ -138,6 +142,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
         if curve is not None:
             outside = time.perf_counter() - step_started - curve.latency(layout.size)
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
+            drafted = min(program.max_nodes, max(MIN_DRAFTED, 2 * layout.size))
     if program.device.type == "cuda":  # the last commit ran asynchronously: count it in the time
         torch.cuda.synchronize(program.device)
         ended = time.perf_counter()
@@ -173,7 +178,9 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
         program.new_sequence()
     fed = [0] * len(prompts)
     while any(f < len(p) for f, p in zip(fed, prompts)):
-        counts = [min(piece, len(p) - f, program.room(c.cached)) for p, f, c in zip(prompts, fed, cursors)]
+        # every row's step is padded to the longest: no row may take more than the tightest room
+        cap = max(1, min(piece, *(program.room(c.cached) for c in cursors)))
+        counts = [min(cap, len(p) - f) for p, f in zip(prompts, fed)]
         layout = RowsLayout(tuple(c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
                                   for c, n in zip(cursors, counts)))  # fmt: skip
         tokens = layout.pad_tokens([torch.tensor(list(p[f : f + max(n, 0)]) or [0], dtype=torch.long)

@@ -20,16 +20,18 @@ eviction holds a second copy of the cache for the moment it runs: evict.onnx is 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from specpass.backends.eviction import Eviction
 from specpass.backends.ort import TOLERANCE, ort_session, run_bound
 from specpass.errors import ExportError
 from specpass.rewrites.kv_eviction import KVEviction
 from specpass.rewrites.kv_eviction.ops import evicted, observed
+from specpass.rewrites.kv_eviction.runtime import Eviction
 
 OBSERVE_FILE, EVICT_FILE = "observe.onnx", "evict.onnx"
 
@@ -134,10 +136,12 @@ def _check(path: str, module: nn.Module, inputs: dict, outputs: tuple[str, ...],
 
 class OrtEviction(Eviction):
     """observe.onnx and evict.onnx on ORT sessions, over the ORT program's cache (its `keys`, `values`
-    and the last step's `queries`) and the policy's state, all torch tensors on the program's device."""
+    and the last step's `queries`) and the policy's state, all torch tensors on the program's device.
+    The graphs are exported for one row: in a batch each row runs them on its own slices (copied to
+    contiguous tensors for the binding, and the results copied back), with its own state row."""
 
     def __init__(self, program, directory: str, entry: dict, policy: KVEviction):
-        self.program = program  # backends.onnxrt.OrtProgram: keys, values [L, 1, KV, budget, D], queries
+        self.program = program  # backends.onnxrt.OrtProgram: keys, values [L, B, KV, budget, D], queries
         self.policy = policy
         self.device = program.device
         observe = entry["observe"]
@@ -146,27 +150,55 @@ class OrtEviction(Eviction):
         self.names = state_names(policy)
         dtypes = {"scores": torch.float32, "window": program.dtype}
         self.state = {name: torch.zeros(entry["state"][name], dtype=dtypes[name], device=self.device)
-                      for name in self.names}  # fmt: skip
+                      for name in self.names}  # fmt: skip  [L, rows, ...]: grown to the batch's rows
+        self._row: int | None = None
+
+    @contextlib.contextmanager
+    def row(self, b: int) -> Iterator[None]:
+        self._row = b
+        try:
+            yield
+        finally:
+            self._row = None
+
+    def _rows(self) -> slice:
+        """The batch rows the graphs act on now (all of a one-row cache, or the row inside `row`)."""
+        rows = self.program.keys.shape[1]
+        for name, tensor in self.state.items():  # a new batch of other rows: fresh state
+            if tensor.shape[1] != rows:
+                self.state[name] = tensor.new_zeros(tensor.shape[0], rows, *tensor.shape[2:])
+        return slice(None) if rows == 1 or self._row is None else slice(self._row, self._row + 1)
 
     def observe(self, rows: torch.Tensor, first_slot: int, positions: torch.Tensor) -> None:
         if self.observe_session is None:
             return
-        inputs = {"queries": self.program.queries.index_select(3, rows).contiguous(), "keys": self.program.keys,
-                  "first_slot": torch.tensor(first_slot, device=self.device), "positions": positions, **self.state}
-        outputs = {f"new_{name}": torch.empty_like(self.state[name]) for name in self.names}
+        row = self._rows()
+        state = {name: tensor[:, row].contiguous() for name, tensor in self.state.items()}
+        inputs = {"queries": self.program.queries[:, row].index_select(3, rows).contiguous(),
+                  "keys": self.program.keys[:, row].contiguous(), "first_slot": torch.tensor(first_slot, device=self.device),
+                  "positions": positions, **state}  # fmt: skip
+        outputs = {f"new_{name}": torch.empty_like(state[name]) for name in self.names}
         run_bound(self.observe_session, self.device, inputs, outputs)
-        self.state.update({name: outputs[f"new_{name}"] for name in self.names})
+        for name in self.names:
+            self.state[name][:, row] = outputs[f"new_{name}"]
 
     def evict(self) -> None:
-        inputs = {"keys": self.program.keys, "values": self.program.values, **self.state}
-        outputs = {"kept_keys": torch.empty_like(self.program.keys), "kept_values": torch.empty_like(self.program.values)}
+        row = self._rows()
+        keys, values = self.program.keys[:, row].contiguous(), self.program.values[:, row].contiguous()
+        state = {name: tensor[:, row].contiguous() for name, tensor in self.state.items()}
+        inputs = {"keys": keys, "values": values, **state}
+        outputs = {"kept_keys": torch.empty_like(keys), "kept_values": torch.empty_like(values)}
         if self.policy.scored:
-            outputs["kept_scores"] = torch.empty_like(self.state["scores"])
+            outputs["kept_scores"] = torch.empty_like(state["scores"])
         run_bound(self.evict_session, self.device, inputs, outputs)
-        self.program.keys.copy_(outputs["kept_keys"])  # in place: bindings (CUDA graphs) keep the cache's memory
-        self.program.values.copy_(outputs["kept_values"])
+        self.program.keys[:, row] = outputs["kept_keys"]  # in place: bindings (CUDA graphs) keep the cache's memory
+        self.program.values[:, row] = outputs["kept_values"]
         if self.policy.scored:
-            self.state["scores"] = outputs["kept_scores"]
+            self.state["scores"][:, row] = outputs["kept_scores"]
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        index = torch.tensor(list(keep), device=self.device)
+        self.state = {name: tensor.index_select(1, index) for name, tensor in self.state.items()}
 
     def reset(self) -> None:
         for tensor in self.state.values():

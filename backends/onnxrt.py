@@ -22,8 +22,8 @@ buffers is sequence b, laid out as alone (per-row offsets, as in the PyTorch low
 commits its own path. The buffers hold exactly the live rows, so IOBinding binds them as they are:
 when rows finish, `keep_rows` gathers the live ones into new, smaller buffers (once per finishing
 row, not per step), and the next batch's prefill allocates `rows` rows again. Not with
-`cuda_graphs=True` (its buckets are one row) nor with an evicting export (its policy graphs score one
-sequence): both are refused for rows > 1.
+`cuda_graphs=True` (its buckets are one row): refused for rows > 1. An evicting export runs its
+one-row policy graphs on each row's slices (backends.onnx_eviction).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class OrtProgram(DecodeProgram):
         if not isinstance(rows, int) or rows < 1:
             raise InvalidParameterError(f"rows must be an int >= 1, got {rows!r}")
         if rows > 1:
-            _check_batched_export(self.manifest, directory, policy, cuda_graphs)
+            _check_batched_export(self.manifest, directory, cuda_graphs)
         self.rows = rows
         self.session = ort_session(os.path.join(directory, "model.onnx"), self.device, cuda_graphs)
         self.cache_size = cache_size or (policy.budget if policy is not None else 2048)
@@ -111,7 +111,7 @@ class OrtProgram(DecodeProgram):
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.queries: torch.Tensor | None = None  # [L, 1, H, T, D]: the last step's, when the export evicts
         if policy is not None:
-            self.evict_with(OrtEviction(self, directory, m["eviction"], policy))
+            self.use_hooks([OrtEviction(self, directory, m["eviction"], policy)])
         self._graphs: dict[tuple[int, int], tuple] = {}  # CUDA graphs: bucket -> (inputs, outputs, binding)
 
     def _zeros_cache(self, rows: int, slots: int) -> torch.Tensor:
@@ -124,7 +124,7 @@ class OrtProgram(DecodeProgram):
         have_rows, have = self.keys.shape[1], self.keys.shape[3]
         if have_rows != rows:
             self.keys, self.values = self._zeros_cache(rows, have), self._zeros_cache(rows, have)
-        if slots <= have or self.eviction is not None:  # room() keeps an evicting step inside its budget
+        if slots <= have or self.evicts:  # room() keeps an evicting step inside its budget
             return
         grown = kv_bucket(slots)
         for name in ("keys", "values"):
@@ -174,6 +174,8 @@ class OrtProgram(DecodeProgram):
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         index = torch.tensor(list(keep), device=self.device)
         self.keys, self.values = self.keys.index_select(1, index), self.values.index_select(1, index)
+        for hook in self.hooks:
+            hook.keep_rows(keep)
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
@@ -187,7 +189,7 @@ class OrtProgram(DecodeProgram):
             "new_keys": torch.empty(layers, batch, heads, t, dim, **kw),
             "new_values": torch.empty(layers, batch, heads, t, dim, **kw),
         }
-        if self.eviction is not None:
+        if self.evicts:
             outputs[QUERIES_OUTPUT] = torch.empty(layers, batch, m["num_heads"], t, dim, **kw)
         return outputs
 
@@ -221,14 +223,11 @@ class OrtProgram(DecodeProgram):
         return {name: value[:, :, :, :t] if name in per_layer else value[:, :t] for name, value in outputs.items()}
 
 
-def _check_batched_export(manifest: dict, directory: str, policy, cuda_graphs: bool) -> None:
+def _check_batched_export(manifest: dict, directory: str, cuda_graphs: bool) -> None:
     """Refuse rows > 1 where the export or the options cannot run a batch (module docstring)."""
     if manifest["inputs"][0]["shape"][0] != "B":
         raise InvalidParameterError(f"{directory} was exported for one sequence (batch 1 is fixed in its graph); "
                                     "export it again with this specpass version to run batches (rows > 1)")  # fmt: skip
-    if policy is not None:
-        raise InvalidParameterError(f"rows > 1 does not run with KV eviction ({policy.name}): its policy graphs score "
-                                    "one sequence; generate those one sequence at a time")  # fmt: skip
     if cuda_graphs:
         raise InvalidParameterError("rows > 1 does not run with cuda_graphs=True (its graphs are captured for one "
                                     "row); use cuda_graphs=False for batches")  # fmt: skip

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specpass.backends import cost, distributed
+from specpass.backends import cost
 from specpass.backends.compile import specpass_backend
-from specpass.backends.eviction import Eviction, GraphEviction
 from specpass.backends.guard import ProgramGuard
 from specpass.backends.kv import compact, keep_rows
 from specpass.backends.lowering import LOWERINGS
@@ -26,9 +25,9 @@ from specpass.backends.options import CompileOptions, check_budget
 from specpass.backends.per_size import FastestPerSize
 from specpass.drafters import Drafter
 from specpass.errors import InvalidParameterError
+from specpass.passes.runtime import RuntimeHook
 from specpass.ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
 from specpass.ir.split import EXIT_HIDDEN
-from specpass.rewrites.tensor_parallel import TensorParallel
 
 COST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # interpolated between: a step's cost is near linear in T
 PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
@@ -68,9 +67,9 @@ class DecodeProgram(ABC):
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), verifies_trees (False:
     draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), rows (sequences
     its cache holds), and implement `forward`, `compact`, `keep_rows` and `kv_buffers`. Every call is
-    over rows: one sequence is a batch of one (backends.decode). An evicting program (rewrites.kv_eviction) sets `max_step`:
-    the most tokens one forward may take (prompts are fed in pieces), and `eviction`, run after each
-    commit (its commits free cache slots).
+    over rows: one sequence is a batch of one (backends.decode). A rewrite's runtime half is one of the program's `hooks`
+    (passes.runtime.RuntimeHook: an eviction's scoring after each commit, tensor parallelism's
+    lockstep), composed here so the loop never asks which rewrites ran.
     budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
     """
 
@@ -92,13 +91,14 @@ class DecodeProgram(ABC):
     rows = 1  # sequences the program's cache holds (row b of a batch in cache row b)
     pad_token_id: int | None = None  # the model's pad token, when it has one (a batch's output padding)
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
-    max_step: int | None = None  # evicting programs: the most tokens a forward takes (None: the cache's room)
-    eviction: Eviction | None = None  # evicting programs: the policy run after each commit
+    hooks: tuple[RuntimeHook, ...] = ()  # the rewrites' runtime halves, in pipeline order
     resumes_from_exit = False  # True: `forward_from_exit` verifies a chain the early-exit draft ran
 
     def agreed_size(self, size: int) -> int:
         """The tree size every process of the program verifies this step (a timing-based choice is
-        one process's in a tensor-parallel program; see backends.distributed)."""
+        one process's in a tensor-parallel program; see rewrites.lockstep)."""
+        for hook in self.hooks:
+            size = hook.agreed_size(size)
         return size
 
     @abstractmethod
@@ -120,9 +120,10 @@ class DecodeProgram(ABC):
         slots of each row hold committed tokens now (fewer after an eviction)."""
         paths = [list(path) for path in paths]
         self.compact(layout, paths)
-        if self.eviction is not None:  # one row: check_rows refuses more with an evicting cache
-            return [self.eviction.after_commit(row, path) for row, path in zip(layout.rows, paths, strict=True)]
-        return [row.committed + len(path) for row, path in zip(layout.rows, paths, strict=True)]
+        committed = [row.committed + len(path) for row, path in zip(layout.rows, paths, strict=True)]
+        for hook in self.hooks:
+            committed = hook.after_commit(layout, paths, committed)
+        return committed
 
     @abstractmethod
     def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
@@ -153,7 +154,19 @@ class DecodeProgram(ABC):
         return logits[0], hidden[0]
 
     @property
+    def one_node(self) -> bool:
+        """Every step verifies one node (max_nodes or a fixed budget of 1): the loop drafts nothing."""
+        return self.max_nodes == 1 or self.budget == 1
+
+    @property
+    def max_step(self) -> int | None:
+        """The most tokens one forward may take (the hooks' tightest limit; None: the cache's room)."""
+        limits = [hook.max_step for hook in self.hooks if hook.max_step is not None]
+        return min(limits) if limits else None
+
+    @property
     def evicts(self) -> bool:
+        """A step takes a bounded number of tokens (an evicting cache: prompts of any length, in pieces)."""
         return self.max_step is not None
 
     def room(self, cached: int) -> int:
@@ -161,16 +174,16 @@ class DecodeProgram(ABC):
         room = self.cache_size - cached
         return room if self.max_step is None else min(room, self.max_step)
 
-    def evict_with(self, eviction: Eviction) -> None:
-        """Run `eviction` after each commit; no step takes more than the slots an eviction frees."""
-        self.eviction = eviction
-        self.max_step = eviction.policy.chunk
-        self.max_nodes = min(self.max_nodes, self.max_step)
+    def use_hooks(self, hooks: Sequence[RuntimeHook]) -> None:
+        """Run `hooks` around every step; no tree is larger than a step may take."""
+        self.hooks = tuple(hooks)
+        if self.max_step is not None:
+            self.max_nodes = min(self.max_nodes, self.max_step)
 
     def new_sequence(self) -> None:
-        """Called before a sequence's first forward: drop per-sequence cache state (eviction scores)."""
-        if self.eviction is not None:
-            self.eviction.reset()
+        """Called before a batch's first forward: drop per-sequence state (eviction scores)."""
+        for hook in self.hooks:
+            hook.new_sequence()
 
     @abstractmethod
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +192,7 @@ class DecodeProgram(ABC):
     def cache_bytes(self) -> int:
         """Bytes of the tensors allocated for the KV cache and the eviction state, read from the tensors."""
         kv = sum(c.numel() * c.element_size() for c in self.kv_buffers())
-        return kv + (self.eviction.state_bytes() if self.eviction is not None else 0)
+        return kv + sum(hook.state_bytes() for hook in self.hooks)
 
     def forget(self) -> None:
         """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
@@ -208,8 +221,9 @@ class SpeculativeProgram(DecodeProgram):
     one forward, commits each row's path in its own cache row and measures its cost curve on forwards
     of all its rows, T tokens each. Several rows run on the eager, oneDNN, inductor and CUDA-graph
     lowerings (the replayed graphs are bucketed by rows too, backends.cudagraphs), with every drafter
-    (a cache-sharing draft graph drafts each row in its own cache row: `drafting_row`) and with tensor
-    parallelism; not with the GGUF kernels or KV eviction: those are refused with the reason.
+    (a cache-sharing draft graph drafts each row in its own cache row: `drafting_row`), with KV
+    eviction (each row its own budget and policy state) and with tensor parallelism; not with the
+    GGUF kernels: refused with the reason.
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions, rows: int = 1):
@@ -233,10 +247,7 @@ class SpeculativeProgram(DecodeProgram):
         if self.step.draft is not None:
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
         self.resumes_from_exit = self.step.resume is not None
-        self.tensor_parallel = self.pipeline.has(TensorParallel)
-        eviction = GraphEviction.of(gm)
-        if eviction is not None:
-            self.evict_with(eviction)
+        self.use_hooks([hook for p in self.pipeline if (hook := p.runtime_hook(gm)) is not None])
         if rows > 1:
             self._check_rows()
         self.guard = ProgramGuard(model)  # and the weights it was built from, checked on every call
@@ -249,8 +260,7 @@ class SpeculativeProgram(DecodeProgram):
         if not kinds <= batched:
             reasons.append(f"the {'/'.join(sorted(kinds - batched))} lowering (use lowering='auto', or one of "
                            f"{', '.join(sorted(batched))})")  # fmt: skip
-        if self.evicts:
-            reasons.append("KV eviction")
+        reasons += [hook.batch_refusal for hook in self.hooks if hook.batch_refusal is not None]
         if reasons:
             raise InvalidParameterError(f"batch size {self.rows} (more than one sequence) does not run with "
                                         f"{'; '.join(reasons)}; generate those one sequence at a time")  # fmt: skip
@@ -268,17 +278,14 @@ class SpeculativeProgram(DecodeProgram):
         return logits, hidden
 
     def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
-        if self.tensor_parallel:
-            distributed.check_same_paths(paths)
         rows, src, dst = layout.moves(paths)
         if src:
             compact(self.k_cache, self.v_cache, *(torch.tensor(x, device=self.device) for x in (rows, src, dst)))
 
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         keep_rows(self.k_cache, self.v_cache, keep, slots)
-
-    def agreed_size(self, size: int) -> int:
-        return distributed.rank0_int(size) if self.tensor_parallel else size
+        for hook in self.hooks:
+            hook.keep_rows(keep)
 
     @contextlib.contextmanager
     def drafting_row(self, row: int) -> Iterator[None]:
@@ -301,9 +308,12 @@ class SpeculativeProgram(DecodeProgram):
         sizes past the largest tree, so the prefill (T = prompt length) runs on the kernel that wins at
         large T."""
         run = self.step.run
-        if self.tensor_parallel:  # a fixed number of forwards on every rank, and rank 0's timings
+        if any(hook.fixed_measurement for hook in self.hooks):  # e.g. every rank alike, then rank 0's timings
             curve = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
-            return cost.CostCurve(curve.sizes, distributed.rank0_floats(curve.seconds))
+            seconds = curve.seconds
+            for hook in self.hooks:
+                seconds = hook.agreed_seconds(seconds)
+            return cost.CostCurve(curve.sizes, seconds)
         if not isinstance(run, FastestPerSize):
             return cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
         measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= min(kv_len, self.max_step or kv_len)})

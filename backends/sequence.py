@@ -80,8 +80,9 @@ class SequenceState:
         prefill = TargetForward(topk, hidden, choices)
         self.tokens.append(int(choices[-1]))
         sampling = self.choice.sampling
-        self.drafting = Drafting(program.drafter.sessions(self.tokens[: self.n_prompt], prefill, program.drafter_memory,
-                                                          program.draft, sampling.seed))  # fmt: skip
+        sessions = [] if program.one_node else program.drafter.sessions(  # one-node trees: nothing to draft
+            self.tokens[: self.n_prompt], prefill, program.drafter_memory, program.draft, sampling.seed)
+        self.drafting = Drafting(sessions)
         self.by_rule = program.drafter.draws and sampling.do_sample and sampling.acceptance == "auto"
         # the multi-candidate rule's uniforms and residual draws
         self.rng = np.random.default_rng([sampling.seed, 0x6D63]) if self.by_rule else None
@@ -91,6 +92,8 @@ class SequenceState:
     def draft(self, program: DecodeProgram, room: int) -> DraftTree:
         """This step's tree, at most `room` nodes (what the program verifies: a chain if no trees)."""
         remaining = self.max_new_tokens - (len(self.tokens) - self.n_prompt)
+        if not self.drafting.sessions:  # one-node trees
+            return DraftTree((self.tokens[-1],), (-1,), (1.0,), (None,))
         tree = self.drafting.draft(self.tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
         return tree if program.verifies_trees else _as_chain(tree)
 

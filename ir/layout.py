@@ -170,18 +170,22 @@ class RowsLayout:
         batch = live if batch is None else batch
         if t < self.size or batch < live:
             raise ValueError(f"cannot pad a step of {live} rows x {self.size} tokens to {batch} x {t}")
+        device = self.device
         if tuple(input_ids.shape) != (batch, t):
             ids = torch.zeros(batch, t, dtype=input_ids.dtype, device=input_ids.device)
             ids[:live, : input_ids.shape[1]] = input_ids
             input_ids = ids
-        ancestors = torch.eye(t, dtype=torch.bool, device=self.device).repeat(batch, 1, 1)  # [B, T, T]
-        slots = torch.arange(t, device=self.device).repeat(batch, 1)  # [B, T]
-        positions = slots.clone()  # [B, T]
-        for b, row in enumerate(self.rows):
-            ancestors[b, : row.size, : row.size] = row.ancestors
-            positions[b] += row.evicted + row.committed  # padding node k: the row's next position + k
-            positions[b, : row.size] = row.positions()
-            slots[b] += row.committed
+        eye = torch.eye(t, dtype=torch.bool, device=device)
+        ancestors = torch.stack([row.ancestors if row.size == t else _padded_mask(row.ancestors, eye)
+                                 for row in self.rows] + [eye] * (batch - live))  # fmt: skip  [B, T, T]
+        pad = [0] * (batch - live)  # a padding row: committed 0, no real node
+        committed = torch.tensor([row.committed for row in self.rows] + pad, device=device)  # [B]
+        start = torch.tensor([row.evicted + row.committed for row in self.rows] + pad, device=device)  # [B]
+        real = torch.tensor([row.size for row in self.rows] + pad, device=device)  # [B]
+        k = torch.arange(t, device=device)  # [T]
+        depth = ancestors.sum(-1) - 1  # [B, T]
+        positions = start[:, None] + torch.where(k[None, :] < real[:, None], depth, k[None, :])  # padding node k: next + k
+        slots = committed[:, None] + k[None, :]  # [B, T]
         kv_len = max(row.committed for row in self.rows) + t
         return {"input_ids": input_ids, "positions": positions, "kv_len": kv_len,
                 "tree_mask": ancestors, "cache_slots": slots}  # fmt: skip
@@ -195,3 +199,10 @@ class RowsLayout:
             sources += src
             destinations += dst
         return rows, sources, destinations
+
+
+def _padded_mask(ancestors: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+    """[T, T]: a row's ancestor mask [T_b, T_b] in the top-left corner of `eye` (padding nodes see themselves)."""
+    mask = eye.clone()
+    mask[: ancestors.shape[0], : ancestors.shape[0]] = ancestors
+    return mask

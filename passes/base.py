@@ -49,6 +49,11 @@ class Pass(ABC):
         """Check the invariants this pass established; raises GraphVerificationError. The manager runs
         it after the generic `ir.verify`, after this pass and after every later one."""
 
+    def runtime_hook(self, gm: torch.fx.GraphModule):
+        """This pass's runtime half for the step `gm` it rewrote (a passes.runtime.RuntimeHook), or None
+        (the default: the step needs nothing but forward and commit)."""
+        return None
+
     def largest_tree(self) -> int | None:
         """The largest token tree the rewritten step verifies, if this pass decides it (TreeAttention)."""
         return None

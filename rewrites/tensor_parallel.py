@@ -16,7 +16,7 @@ Rewrite, on rank r of a world of W processes (torch.distributed initialised, e.g
 
 The embedding, the norms and everything else stay replicated. Every rank ends with the same logits
 and hidden states (the collectives give every rank the same bits), so a decode loop run on every rank
-takes the same accepted path (`backends.tp_decode` checks it).
+takes the same accepted path (its runtime half, rewrites.lockstep, checks it).
 
 Overlap. A wait is placed right before the first node that needs the reduced value, except for the
 sub-layers of laddered layers (rewrites.ladder_residual): there the next sub-layer reads the stream
@@ -125,6 +125,12 @@ class TensorParallel(Pass):
         graph.lint()
         summary = f"rank {rank} of {world}: {2 * arch_of(gm).num_layers} all-reduces, logits gathered over the vocabulary"
         return PassResult(gm, modified=True, summary=summary)
+
+    def runtime_hook(self, gm: torch.fx.GraphModule):
+        """Every rank's loop in lockstep (rewrites.lockstep)."""
+        from specpass.rewrites.lockstep import Lockstep
+
+        return Lockstep()
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """Two all-reduces a layer, each waited on; one gather for the logits; waits of laddered

@@ -22,7 +22,7 @@ def test_compact_moves_the_accepted_path_into_place():
     k = torch.arange(2 * 1 * 1 * 10 * 1, dtype=torch.float32).reshape(2, 1, 1, 10, 1)
     v = -k.clone()
     before = k.clone()
-    compact(k, v, torch.tensor([6, 8]), torch.tensor([5, 6]))  # path root@4, nodes at 6 and 8
+    compact(k, v, torch.tensor([0, 0]), torch.tensor([6, 8]), torch.tensor([5, 6]))  # row 0: root@4, nodes at 6 and 8
     assert torch.equal(k[:, :, :, 5], before[:, :, :, 6]) and torch.equal(k[:, :, :, 6], before[:, :, :, 8])
     assert torch.equal(k[:, :, :, :5], before[:, :, :, :5])
     assert torch.equal(v, -k)

@@ -1,10 +1,11 @@
 """KV eviction (rewrites.kv_eviction): the scoring math against brute force, the graphs the pass
 produces, its refusals, eviction = hiding the evicted tokens (positions stay original), the budget
-held at every step, nothing evicted = the full cache, and speculation adding no change of its own."""
+held at every step, nothing evicted = the full cache, speculation adding no change of its own, and batches whose every
+row evicts as it does alone (PyTorch and ORT)."""
 
 import pytest
 import torch
-from conftest import needs_cxx, needs_onednn, tiny_model
+from conftest import NEW_TOKENS, needs_cxx, needs_onednn, padded, tiny_model
 
 import specpass
 from specpass.drafters.registry import drafter_by_name
@@ -360,6 +361,65 @@ def test_passkey_hits_are_counted_by_depth(default_model):
     assert passkey_hits(window, tokenizer, 192, seeds=1, depths=5) == [0, 0, 0, 0, 1]
 
 
+# ---- batches: each row its own budget and policy state -----------------------------------------
+
+
+def _batch_prompts(seed: int) -> list[torch.Tensor]:
+    """Three prompts of 30-85 tokens (past a 32-slot budget: the prefill evicts), one with a repeat."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 96, (n,), generator=gen) for n in (45, 30, 70)]
+    prompts[0] = torch.cat([prompts[0], prompts[0][5:25]])  # a repeat: prompt lookup drafts, trees get accepted
+    return prompts
+
+
+def _rows_equal_each_row_alone(batch_program, alone_program, prompts: list[torch.Tensor], new: int = 40):
+    """The batch of `prompts` (left-padded) with an EOS that ends one row early (a token of that row's
+    free continuation found in no other row's): every row equals that prompt generated alone on
+    `alone_program` with the same EOS, and that row finishes first (the rows after it move up, their
+    caches and policy states with them)."""
+    free = [specpass.generate(alone_program, p[None], new, eos_token_id=[]).sequences[0, len(p) :].tolist()
+            for p in prompts]  # fmt: skip
+    early, eos = next((r, t) for r, row in enumerate(free) for i, t in enumerate(row[4:], 4)
+                      if t not in row[:i] and all(t not in other for o, other in enumerate(free) if o != r))  # fmt: skip
+    ids, mask = padded(prompts)
+    out = specpass.generate(batch_program, ids, new, attention_mask=mask, eos_token_id=[eos])
+    for b, prompt in enumerate(prompts):
+        alone = specpass.generate(alone_program, prompt[None], new, eos_token_id=[eos])
+        assert list(out.new_tokens[b]) == alone.sequences[0, len(prompt) :].tolist(), b
+    assert [s.finish_reason for s in out.stats] == ["eos" if b == early else "length" for b in range(len(prompts))]
+    assert max(s.tau for s in out.stats) > 1.0  # drafts were accepted across evictions
+    return out
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cls", POLICIES)
+def test_a_batch_evicts_each_row_as_that_row_alone(cls):
+    """Rows of different lengths, each past the budget in its prompt, rows finishing at different steps:
+    every row's tokens equal that sequence alone under the same policy (a row evicts when its own cache
+    is full; its scores follow it when the rows above it finish)."""
+    model = tiny_model()
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16), _policy(cls, 32, 8)), "budget": 8,
+               "drafter": drafter_by_name("combined"), "lowering": "eager"}  # fmt: skip
+    alone = specpass.compile_program(model, options)
+    batch = specpass.compile_program(model, options, rows=3)
+    assert batch.k_cache.shape[1] == 3 and batch.k_cache.shape[3] == 32
+    _rows_equal_each_row_alone(batch, alone, _batch_prompts(12))
+
+
+@torch.no_grad()
+def test_a_batch_evicts_each_row_as_that_row_alone_on_the_default_model(default_model, cases):
+    """TOVA at 64 slots on three of the shared prompts (code and chat, past the budget: the prefill
+    evicts), 32 new tokens, one row ending early at an EOS: every row equals that prompt alone under
+    the same policy."""
+    model, _ = default_model
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16), TOVA(64, 16)), "budget": 8,
+               "drafter": drafter_by_name("combined")}  # fmt: skip
+    prompts = [cases[i][0][0] for i in (0, 1, 2)]  # [P] each
+    assert min(len(p) for p in prompts) > 64
+    alone, batch = specpass.compile_program(model, options), specpass.compile_program(model, options, rows=3)
+    _rows_equal_each_row_alone(batch, alone, prompts, new=32)
+
+
 # ---- ONNX: the policy's graphs exported beside the step, run on ORT ----------------------------
 
 
@@ -390,10 +450,10 @@ def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path):
     assert got.stats.tau > 1.0  # drafts were accepted across evictions
     assert program.keys.shape[3] == program.cache_size == policy.budget  # the cache never grew
     assert "output changes: KV eviction" in str(program.pipeline)  # the export's pipeline says it is lossy
-    with pytest.raises(specpass.InvalidParameterError, match="rows > 1 does not run with KV eviction"):
-        specpass.load_onnx(result.directory, rows=2)
+    batch = specpass.load_onnx(result.directory, drafter=drafter_by_name("combined"), budget=8, rows=3)
+    _rows_equal_each_row_alone(batch, program, _batch_prompts(13))  # each row its own budget and state on ORT
     layers, _, kv, _, dim = program.keys.shape
-    assert program.cache_bytes() == 2 * layers * kv * policy.budget * dim * 4 + program.eviction.state_bytes()
+    assert program.cache_bytes() == 2 * layers * kv * policy.budget * dim * 4 + sum(hook.state_bytes() for hook in program.hooks)
     with pytest.raises(InvalidParameterError, match=rf"evicts its KV cache to 32 slots \({cls.__name__}\).*=64"):
         specpass.load_onnx(result.directory, cache_size=64)
 

@@ -159,6 +159,12 @@ class KVEviction(Pass):
                    f"{layers} layers; policy state {state_bytes / 2**20:.2f} MiB")  # fmt: skip
         return PassResult(gm, True, summary)
 
+    def runtime_hook(self, gm: torch.fx.GraphModule):
+        """The policy's graphs run after each commit (rewrites.kv_eviction.runtime.GraphEviction)."""
+        from specpass.rewrites.kv_eviction.runtime import GraphEviction
+
+        return GraphEviction(gm, gm.meta[EVICTION_META])
+
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """The cache is `budget` slots; every layer's attention reads its queries through the
         recording op; both eviction graphs are there and read the step's own buffers."""

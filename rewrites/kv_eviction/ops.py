@@ -40,8 +40,9 @@ WINDOW_QUERIES = "kv_window_queries"
 
 def record_queries(store: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
     """Inserted before each layer's attention by the pass: keep the step's queries for `kv_observe`.
-    store [L, B, H, R, D], q [B, H, T, D] (T <= R); returns q, so the op is never dead code."""
-    store[layer, :, :, : q.shape[2]].copy_(q)
+    store [L, rows, H, R, D], q [B, H, T, D] (B <= rows: the live rows first; T <= R); returns q, so
+    the op is never dead code."""
+    store[layer, : q.shape[0], :, : q.shape[2]].copy_(q)
     return q
 
 

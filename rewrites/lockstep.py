@@ -1,9 +1,10 @@
-"""Keeping the ranks of a tensor-parallel program (rewrites.TensorParallel) in lockstep.
+"""Tensor parallelism's runtime half: keeping the ranks of a sharded program (rewrites.TensorParallel)
+in lockstep.
 
 Every rank runs the same decode loop on the same logits, so its drafts and accepted paths are the
 same; what differs between ranks is timing. Each decision taken from timings (the measured cost
 curve, the tree size the cost budget picks) is rank 0's, sent to all, so every rank makes the same
-sequence of collective calls. Accepted paths are compared across ranks at every step.
+sequence of collective calls. Accepted paths (every row's) are compared across ranks at every commit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from specpass.errors import SpecpassError
+from specpass.ir.layout import RowsLayout
+from specpass.passes.runtime import RuntimeHook
 
 
 def rank0_floats(values: Sequence[float]) -> tuple[float, ...]:
@@ -21,11 +24,6 @@ def rank0_floats(values: Sequence[float]) -> tuple[float, ...]:
     tensor = torch.tensor(list(values), dtype=torch.float64)
     dist.broadcast(tensor, src=0)
     return tuple(tensor.tolist())
-
-
-def rank0_int(value: int) -> int:
-    """Rank 0's `value` on every rank."""
-    return int(rank0_floats([value])[0])
 
 
 def check_same_paths(paths: Sequence[Sequence[int]]) -> None:
@@ -36,3 +34,19 @@ def check_same_paths(paths: Sequence[Sequence[int]]) -> None:
     dist.all_gather(gathered, mine)
     if any(not torch.equal(g, mine) for g in gathered):
         raise SpecpassError(f"tensor-parallel ranks accepted different paths (length, hash): {[g.tolist() for g in gathered]}")
+
+
+class Lockstep(RuntimeHook):
+    """Rank 0's tree sizes and cost curve on every rank; every commit's paths compared across ranks."""
+
+    fixed_measurement = True  # a timing-based stop would make ranks run different numbers of forwards
+
+    def agreed_size(self, size: int) -> int:
+        return int(rank0_floats([size])[0])
+
+    def agreed_seconds(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
+        return rank0_floats(seconds)
+
+    def after_commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
+        check_same_paths(paths)
+        return committed
