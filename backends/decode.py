@@ -103,8 +103,9 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
     curve = program.cost_curve if program.budget == "cost" else None
     live = _retire(program, seqs)  # live[i] owns cache row i
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
-    # nodes a row drafts: a fixed budget's, or (cost budget) twice the size verified last step, so the
-    # drafting work follows what the forward verifies (best-first: a smaller tree is the larger one's prefix)
+    # nodes a row drafts: a fixed budget's, or (cost budget) max_nodes over all rows or twice the size
+    # verified last step, whichever is more, so the drafting work of a batch follows what its forward
+    # verifies (best-first: a smaller tree is the larger one's prefix; one row drafts max_nodes)
     drafted = program.max_nodes if curve is not None else min(program.max_nodes, program.budget)
     last_step = started
     while live:
@@ -142,7 +143,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
         if curve is not None:
             outside = time.perf_counter() - step_started - curve.latency(layout.size)
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
-            drafted = min(program.max_nodes, max(MIN_DRAFTED, 2 * layout.size))
+            drafted = min(program.max_nodes, max(program.max_nodes // len(layout.rows), 2 * layout.size, MIN_DRAFTED))
     if program.device.type == "cuda":  # the last commit ran asynchronously: count it in the time
         torch.cuda.synchronize(program.device)
         ended = time.perf_counter()
