@@ -26,8 +26,8 @@ import time
 import torch
 
 import specpass
-from specpass import bench
-from specpass import prompts as P
+from specpass.research import bench
+from specpass.research import prompts as P
 
 
 def _padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

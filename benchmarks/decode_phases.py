@@ -42,8 +42,8 @@ import time
 import torch
 
 import specpass
-from specpass import prompts
-from specpass.bench import run_identity, write_report
+from specpass.research import prompts
+from specpass.research.bench import run_identity, write_report
 from specpass.drafters import base
 
 PHASES = ("draft", "forward_call", "forward_wait", "commit", "observe", "other")
@@ -174,9 +174,9 @@ def measure(model, cases, lowering: str, budget, max_new_tokens: int, compare: b
 
 @torch.no_grad()
 def hf_baselines(model, cases, max_new_tokens: int) -> dict:
-    """HF greedy and HF static cache + torch.compile (specpass.bench's runners), warmed up on every
+    """HF greedy and HF static cache + torch.compile (specpass.research.bench's runners), warmed up on every
     prompt once, then timed over all of them."""
-    from specpass.bench import _compiled_forward, _ForwardCounter, _hf_runner
+    from specpass.research.bench import _compiled_forward, _ForwardCounter, _hf_runner
 
     counter, out = _ForwardCounter(model), {}
     for name in ("hf_greedy", "hf_static_compile"):

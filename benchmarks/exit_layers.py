@@ -24,13 +24,13 @@ import time
 import torch
 
 import specpass
-from specpass import prompts as P
-from specpass.bench import run_identity, write_report
+from specpass.research import prompts as P
+from specpass.research.bench import run_identity, write_report
 from specpass.drafters import SelfDraft
 from specpass.heads.exit_training import ExitTrainConfig, exit_data, train_exit_adapter
 from specpass.heads.train import Continuation, generate_corpus
 from specpass.rewrites import EarlyExit, TreeAttention
-from specpass.training_prompts import held_out_prompts, training_prompts
+from specpass.research.training_prompts import held_out_prompts, training_prompts
 
 TUNING_OFFSET = 140
 

@@ -1,7 +1,7 @@
 """Per family: the conformance of the captured step against HF's forward, and the capture time.
 
 Tokens/s and τ mean nothing on tiny random-weight models, so for every family in
-`specpass.tiny_models` this records what does: the largest |logit difference| between the captured
+`specpass.research.tiny_models` this records what does: the largest |logit difference| between the captured
 step and HF's forward (prefill of 40 tokens, 10 cached one-token steps, a 7-node tree verified on top
 of a 20-token prompt, each node against HF on its branch), whether speculative greedy (the combined
 prompt-lookup + Token Recycling tree) equals HF greedy on 3 prompts, and the time `capture` takes
@@ -21,11 +21,11 @@ import time
 import torch
 
 import specpass
-from specpass.bench import run_identity, write_report
+from specpass.research.bench import run_identity, write_report
 from specpass.drafters import Combined, DraftTree, PromptLookup, TokenRecycling
 from specpass.ir import SlotLayout, capture
 from specpass.rewrites import TreeAttention
-from specpass.tiny_models import TINY_ARCHS, tiny_model
+from specpass.research.tiny_models import TINY_ARCHS, tiny_model
 
 PARENTS = (-1, 0, 0, 1, 2, 4, 2)  # root -> 1 -> 3, root -> 2 -> 4 -> 5, 2 -> 6
 CACHE = 128

@@ -29,9 +29,9 @@ import time
 import torch
 
 import specpass
-from specpass import prompts as P
+from specpass.research import prompts as P
 from specpass.backends.gguf_lowering import NEAR_TIE_LOGITS
-from specpass.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
+from specpass.research.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
 from specpass.models import GGUF_FILE, default_model_dir
 
 

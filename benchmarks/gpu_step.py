@@ -38,7 +38,7 @@ import specpass
 from specpass.backends.cudagraphs import CudaGraphStep
 from specpass.backends.inductor import InductorStep
 from specpass.backends.lowering import lower
-from specpass.bench import write_report
+from specpass.research.bench import write_report
 from specpass.ir import SlotLayout, capture
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -26,7 +26,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from specpass.bench import run_identity, write_report
+from specpass.research.bench import run_identity, write_report
 
 SHAPES = {  # hidden, intermediate, layers, query heads, KV heads, head dim
     "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128),

@@ -3,7 +3,7 @@ loop's host work shows) at B = 1 / 8 / 32, specpass against HF batched greedy in
 
     python benchmarks/host_cost.py [--batches 1 8 32] [--max-new-tokens 64] [--repeats 3] [--tag NAME]
 
-The model is `specpass.tiny_models.tiny_model("llama")` with its LM head scaled by 8: a peaked
+The model is `specpass.research.tiny_models.tiny_model("llama")` with its LM head scaled by 8: a peaked
 next-token law (random weights alone give a near-uniform one, where no draft is ever accepted), the
 model the batch notes measured. Rows: 32 prompts of 24-40 random tokens (seeded), each with a
 repeated stretch for prompt lookup to find; every B decodes the first B rows, left-padded for HF,
@@ -23,9 +23,9 @@ import time
 import torch
 
 import specpass
-from specpass import bench
+from specpass.research import bench
 from specpass.rewrites import TreeAttention
-from specpass.tiny_models import tiny_model
+from specpass.research.tiny_models import tiny_model
 
 ROWS = 32
 

@@ -14,7 +14,7 @@ For the top 0, 2, 4, 25 %, 50 % and 100 % of SmolLM2-135M-Instruct's 30 layers l
   equals the laddered model's own one-node greedy (speculation adds no change of its own).
 
 With --recover-prompts N, each ladder is then fine-tuned by self-distillation from the original
-(specpass.ladder_training: only the laddered layers learn, on the original's greedy continuations of
+(specpass.research.ladder_training: only the laddered layers learn, on the original's greedy continuations of
 the first N training prompts, apart from the prompts and text measured here), measured again
 (`recovered`, with the share of the log-perplexity gap it closed) and restored before the next.
 
@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 
 import specpass
-from specpass import prompts as P
+from specpass.research import prompts as P
 from specpass.backends.program import forget_programs
-from specpass.bench import run_identity, write_report
+from specpass.research.bench import run_identity, write_report
 from specpass.heads.train import generate_corpus
-from specpass.ladder_training import LadderTrainConfig, layer_parameters, recover_ladder
+from specpass.research.ladder_training import LadderTrainConfig, layer_parameters, recover_ladder
 from specpass.ir import RowsLayout, SlotLayout
 from specpass.rewrites import LadderResidual, TreeAttention
-from specpass.training_prompts import training_prompts
+from specpass.research.training_prompts import training_prompts
 
 TEXT_MODULES = ("fractions", "textwrap", "shlex", "calendar")
 TEXT_TOKENS = 512

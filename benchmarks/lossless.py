@@ -27,8 +27,8 @@ import time
 import torch
 
 import specpass
-from specpass import prompts as P
-from specpass.bench import run_identity, write_report
+from specpass.research import prompts as P
+from specpass.research.bench import run_identity, write_report
 from specpass.drafters.registry import drafter_by_name
 
 CODE_OFFSET, CHAT_OFFSET = 140, 10

@@ -24,8 +24,8 @@ import traceback
 import torch
 
 import specpass
-from specpass import prompts
-from specpass.bench import CODE_OFFSET, run_identity, write_report
+from specpass.research import prompts
+from specpass.research.bench import CODE_OFFSET, run_identity, write_report
 from specpass.drafters.registry import drafter_by_name
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}

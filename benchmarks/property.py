@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specpass.bench import run_identity, write_report
+from specpass.research.bench import run_identity, write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

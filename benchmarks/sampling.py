@@ -21,8 +21,8 @@ import time
 import torch
 
 import specpass
-from specpass import prompts as P
-from specpass.bench import CODE_OFFSET, run_identity, write_report
+from specpass.research import prompts as P
+from specpass.research.bench import CODE_OFFSET, run_identity, write_report
 from specpass.drafters.registry import drafter_by_name
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9)

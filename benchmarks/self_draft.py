@@ -8,7 +8,7 @@ benchmarks/results/self-draft-<device>.json.
 
     python benchmarks/self_draft.py [--prompts 4] [--max-new-tokens 128] [--kinds exit skip] [--search 2 4 6]
 
---search N...: also LayerSkip with the sets `specpass.skip_search` finds (greedy, teacher-forced
+--search N...: also LayerSkip with the sets `specpass.research.skip_search` finds (greedy, teacher-forced
 agreement) on the model's own continuations of two other tuning prompts (HumanEval[150:152]), one
 row per size N; the search's agreement per size goes into the JSON.
 """
@@ -22,8 +22,8 @@ import time
 import torch
 
 import specpass
-from specpass import prompts as P
-from specpass.bench import run_identity, write_report
+from specpass.research import prompts as P
+from specpass.research.bench import run_identity, write_report
 from specpass.drafters import SelfDraft
 from specpass.rewrites import EarlyExit, LayerSkip, TreeAttention
 
@@ -49,7 +49,7 @@ def _rate(run, cases) -> dict:
 
 def _searched(model, tokenizer, sizes, max_new_tokens: int) -> tuple[dict, dict]:
     """({row name: (skip set, depth)}, the search's report) for skip sets of each size in `sizes`."""
-    from specpass.skip_search import search_skip_sets
+    from specpass.research.skip_search import search_skip_sets
 
     with torch.no_grad():
         text = torch.cat([model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)

@@ -26,8 +26,8 @@ import time
 import torch
 
 import specpass
-from specpass import prompts as P
-from specpass.bench import CODE_OFFSET, run_identity, write_report
+from specpass.research import prompts as P
+from specpass.research.bench import CODE_OFFSET, run_identity, write_report
 from specpass.drafters import Combined, PromptLookup, SelfDraft, TokenRecycling
 from specpass.heads.exit_adapter import read_exit_adapter_config
 from specpass.heads.io import shipped_heads

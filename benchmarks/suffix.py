@@ -19,8 +19,8 @@ import time
 import torch
 
 import specpass
-from specpass import prompts as P
-from specpass.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
+from specpass.research import prompts as P
+from specpass.research.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
 from specpass.drafters import Combined, PromptLookup, Suffix, TokenRecycling
 
 CONFIGS = {"combined": lambda: Combined(PromptLookup(), TokenRecycling()),

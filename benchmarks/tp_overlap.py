@@ -28,7 +28,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specpass
-from specpass.bench import run_identity, write_report
+from specpass.research.bench import run_identity, write_report
 from specpass.ir import SlotLayout, capture
 from specpass.rewrites import LadderResidual, TensorParallel, TreeAttention
 from specpass.rewrites.tensor_parallel import collective_nodes

@@ -9,7 +9,7 @@ import time
 import torch
 
 import specpass
-from specpass.prompts import encode_chat
+from specpass.research.prompts import encode_chat
 
 prompt = sys.argv[1] if len(sys.argv) > 1 else "Write a Python function that returns the n-th Fibonacci number."
 

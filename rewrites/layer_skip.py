@@ -68,7 +68,7 @@ class LayerSkip(DraftGraphPass):
 
     @classmethod
     def span(cls, first: int, count: int) -> LayerSkip:
-        """Skip `count` consecutive layers from `first` (`specpass.skip_search` finds sets that agree more)."""
+        """Skip `count` consecutive layers from `first` (`specpass.research.skip_search` finds sets that agree more)."""
         return cls(range(first, first + count))
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpass.backends import onednn
-from specpass.tiny_models import TINY_ARCHS, TINY_CONFIGS, WINDOW, tiny_model  # noqa: F401 (tests import them here)
+from specpass.research.tiny_models import TINY_ARCHS, TINY_CONFIGS, WINDOW, tiny_model  # noqa: F401 (tests import them here)
 
 needs_onednn = pytest.mark.skipif(
     not onednn.available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
@@ -179,7 +179,7 @@ def cases(default_model, tmp_path_factory):
     worker to get there writes the references (with their prompts) under a lock for the others."""
     from filelock import FileLock
 
-    from specpass import prompts
+    from specpass.research import prompts
 
     model, tokenizer = default_model
     code = [prompts.encode_code(tokenizer, p) for p in prompts.code_prompts(3, offset=0)[::2]]

@@ -5,7 +5,7 @@ import torch
 from conftest import peaked_tiny_model, tiny_model
 
 import specpass
-from specpass import prompts
+from specpass.research import prompts
 from specpass.backends.lowering import lower
 from specpass.drafters import DraftTree
 from specpass.ir import SlotLayout, capture

@@ -174,8 +174,8 @@ def test_training_targets_are_the_teachers_law_on_the_draft_vocabulary():
 
 
 def test_training_prompts_are_apart_from_every_evaluation_prompt():
-    from specpass.prompts import CHAT_MODULES, chat_texts, human_eval_problems
-    from specpass.training_prompts import HELD_OUT_MODULES, documented_functions, training_modules
+    from specpass.research.prompts import CHAT_MODULES, chat_texts, human_eval_problems
+    from specpass.research.training_prompts import HELD_OUT_MODULES, documented_functions, training_modules
 
     modules = training_modules()
     assert not set(modules) & set(CHAT_MODULES)
@@ -201,7 +201,7 @@ def test_training_prompts_are_apart_from_every_evaluation_prompt():
 
 
 def test_training_prompts_give_every_function_both_formats_and_keep_their_prefix(default_model):
-    from specpass.training_prompts import documented_functions, training_modules, training_prompts
+    from specpass.research.training_prompts import documented_functions, training_modules, training_prompts
 
     _, tokenizer = default_model
     functions = documented_functions(training_modules())
@@ -220,7 +220,7 @@ def test_training_prompts_give_every_function_both_formats_and_keep_their_prefix
 def test_training_prompts_are_the_same_in_every_process():
     """A default value's repr may hold a memory address (`<object object at 0x7f...>`), which would
     make the recipe's prompts differ from run to run; signatures keep the repr without it."""
-    from specpass.training_prompts import documented_functions, training_modules
+    from specpass.research.training_prompts import documented_functions, training_modules
 
     signatures = [signature for _, _, signature, _ in documented_functions(training_modules())]
     assert any("<object object>" in s for s in signatures)  # there were addresses to strip

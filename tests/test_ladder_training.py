@@ -1,4 +1,4 @@
-"""Recovery fine-tune of a laddered model (specpass.ladder_training): the student is the decode-time
+"""Recovery fine-tune of a laddered model (specpass.research.ladder_training): the student is the decode-time
 laddered step, training moves only the laddered layers and brings the laddered model's law closer to
 the original's, and recovered weights save, load and refuse another model."""
 
@@ -15,7 +15,7 @@ from specpass.errors import InvalidParameterError
 from specpass.heads.io import HeadsMismatchError
 from specpass.heads.train import Continuation
 from specpass.ir import RowsLayout, SlotLayout
-from specpass.ladder_training import (LadderTrainConfig, coarse_kl, laddered_step, load_recovered, recover_ladder,
+from specpass.research.ladder_training import (LadderTrainConfig, coarse_kl, laddered_step, load_recovered, recover_ladder,
                                       save_recovered, sequence_logits)  # fmt: skip
 from specpass.rewrites import LadderResidual, TreeAttention
 
@@ -25,7 +25,7 @@ def _four_layer_llama(seed: int = 0):
     initialisation, so that a ladder changes its law measurably."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specpass.tiny_models import TINY
+    from specpass.research.tiny_models import TINY
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 4})).eval()

@@ -12,7 +12,7 @@ from specpass.errors import ExportError, GraphVerificationError, InvalidParamete
 from specpass.ir import capture, draft_spec
 from specpass.ir.draft import draft_graph
 from specpass.rewrites import EarlyExit, LayerSkip, TreeAttention
-from specpass.tiny_models import TINY, TINY_CONFIGS
+from specpass.research.tiny_models import TINY, TINY_CONFIGS
 
 
 def _deep_tiny(arch: str = "llama", layers: int = 4, seed: int = 0, peaked: bool = False):
@@ -137,7 +137,7 @@ def test_layer_skip_on_the_default_model_equals_hf_greedy_with_eos_inside_a_draf
 
 
 def test_skip_search_grows_the_set_that_keeps_agreement_highest():
-    from specpass.skip_search import search_skip_sets
+    from specpass.research.skip_search import search_skip_sets
 
     model = _deep_tiny(layers=6, seed=3, peaked=True)
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))

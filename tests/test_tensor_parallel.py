@@ -65,8 +65,7 @@ def test_two_processes_shard_tiny_llama_qwen2_mistral_plain_and_laddered():
 def test_three_processes_shard_a_batch_whose_every_row_equals_hf_greedy_alone():
     output = _torchrun(3, "batch")
     for rank in (0, 1, 2):
-        for budget in ("cost", "6"):
-            assert f"rank {rank} batch of 3 rows, budget {budget}: every row equals HF greedy alone" in output
+        assert f"rank {rank} batch of 3 rows, budget cost: every row equals HF greedy alone" in output
 
 
 def _readme_torchrun_command() -> list[str]:

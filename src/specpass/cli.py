@@ -44,7 +44,7 @@ def _pipeline(text: str | None):
 
 def _encode(tokenizer, prompt: str, raw: bool):
     from specpass.errors import InvalidParameterError
-    from specpass.prompts import encode_chat, encode_code
+    from specpass.research.prompts import encode_chat, encode_code
 
     ids = encode_code(tokenizer, prompt) if raw else encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     if ids.shape[1] == 0:
@@ -228,7 +228,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from specpass.heads.exit_training import ExitTrainConfig, train_exit_adapter
     from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
     from specpass.models import load_model
-    from specpass.training_prompts import held_out_prompts, training_prompts
+    from specpass.research.training_prompts import held_out_prompts, training_prompts
 
     given = {"prompts": args.prompts, "epochs": args.epochs, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
              "held_out": args.held_out, "draft_vocab": args.draft_vocab}  # fmt: skip
@@ -270,7 +270,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from specpass.bench import run_benchmark
+    from specpass.research.bench import run_benchmark
 
     run_benchmark(
         prompts_per_set=args.prompts,
@@ -284,7 +284,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_eval_kv(args: argparse.Namespace) -> int:
     import torch
 
-    from specpass import bench, eval_kv
+    from specpass.research import bench, eval_kv
     from specpass.errors import InvalidParameterError
     from specpass.models import load_default_model
 

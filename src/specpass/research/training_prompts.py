@@ -24,7 +24,7 @@ import re
 import textwrap
 import warnings
 
-from specpass.prompts import encode_chat, encode_code
+from specpass.research.prompts import encode_chat, encode_code
 
 # Order matters: the trainer holds out the first sequences for its accuracy table, so new modules
 # go at the end and the held-out prompts stay the same.

@@ -4,7 +4,7 @@ For each input length and each policy x budget (a fraction of the length), on th
 
 * perplexity token by token through the decode path (the text fed in pieces of `chunk` tokens,
   evicting as the policy says: the same cache as one token at a time), on standard-library sources
-  (specpass.long_context), beside the full cache;
+  (specpass.research.long_context), beside the full cache;
 * greedy agreement: 128 tokens continued greedily from that text, against the full cache's
   (positions equal, and the first position that differs);
 * passkey retrieval (exact match), over seeds x depths;
@@ -32,7 +32,7 @@ from specpass.backends.sequence import CacheCursor
 from specpass.backends.options import CompileOptions
 from specpass.backends.program import SpeculativeProgram
 from specpass.drafters.registry import drafter_by_name
-from specpass.long_context import library_sequences, passkey_prompt
+from specpass.research.long_context import library_sequences, passkey_prompt
 from specpass.passes import Pipeline
 from specpass.rewrites import A2SF, H2O, TOVA, Keyformer, SinksWindow, SnapKV, TreeAttention
 

