@@ -122,7 +122,8 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
             with program.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
                 trees.append(s.draft(program, min(room, drafted)))
         size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
-        trees = [t.prefix(min(program.agreed_size(size), room)) for t in trees]
+        size = min(program.agreed_size(size), room)  # every process of a sharded program verifies rank 0's size
+        trees = [t.prefix(size) for t in trees]
         layout = RowsLayout(tuple(s.cursor.layout(t.ancestor_mask()) for s, t in zip(live, trees)))
         states = _exit_states(live, trees, layout.size) if program.resumes_from_exit else None
         if states is not None:  # every row's tree is its self-draft chain: resume above the exit
