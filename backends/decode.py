@@ -72,12 +72,13 @@ def generate(
         raise InvalidParameterError(f"a streamer follows one sequence (Hugging Face's streamers take batch 1); "
                                     f"got {len(prompts)} prompts")  # fmt: skip
     choices = choices if choices is not None else [TargetChoice()] * len(prompts)
+    curve = program.cost_curve if program.budget == "cost" else None  # measured once, before the clock starts
     started = time.perf_counter()
     eos = set(eos_token_ids)
     seqs = [SequenceState(p, max_new_tokens, eos, c, stop) for p, c in zip(prompts, choices, strict=True)]
     stream = _Stream(streamer, seqs[0]) if streamer is not None else None
     try:
-        prefill_seconds = _decode(program, seqs, stream, started)
+        prefill_seconds = _decode(program, seqs, stream, curve, started)
     finally:
         if stream is not None:
             streamer.end()
@@ -93,14 +94,13 @@ def generate(
     )
 
 
-def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream | None, started: float) -> float:
+def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream | None, curve, started: float) -> float:
     """Prefill every row, then decode until every row finished; returns the prefill's seconds."""
     top_k = min(program.drafter.target_topk, program.vocab_size)  # the target's top candidates the drafters read
     _prefill(program, seqs, top_k)
     prefill_seconds = time.perf_counter() - started
     if stream is not None:
         stream.flush()
-    curve = program.cost_curve if program.budget == "cost" else None
     live = _retire(program, seqs)  # live[i] owns cache row i
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
     # nodes a row drafts: a fixed budget's, or (cost budget) max_nodes over all rows or twice the size
