@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from specpass.ir.layout import SlotLayout
+from specpass.ir.layout import SlotLayout, padded_mask
 
 KV_BUCKET = 256
 
@@ -39,8 +39,7 @@ def pad_step(input_ids: torch.Tensor, layout: SlotLayout, size: int) -> tuple[to
         raise ValueError(f"cannot pad a step of {t} tokens to {size}")
     ids = torch.zeros(batch, size, dtype=input_ids.dtype, device=input_ids.device)
     ids[:, :t] = input_ids
-    ancestors = torch.eye(size, dtype=torch.bool, device=layout.device)
-    ancestors[:t, :t] = layout.ancestors
+    ancestors = padded_mask(layout.ancestors, torch.eye(size, dtype=torch.bool, device=layout.device))
     padded = dataclasses.replace(layout, ancestors=ancestors)
     positions = padded.write_slots() + layout.evicted  # padded node k: evicted + committed + k
     positions[:t] = layout.positions()

@@ -92,6 +92,7 @@ class DecodeProgram(ABC):
     pad_token_id: int | None = None  # the model's pad token, when it has one (a batch's output padding)
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
     hooks: tuple[RuntimeHook, ...] = ()  # the rewrites' runtime halves, in pipeline order
+    max_step: int | None = None  # the most tokens one forward may take (the hooks' tightest limit; None: the cache's room)
     resumes_from_exit = False  # True: `forward_from_exit` verifies a chain the early-exit draft ran
 
     def agreed_size(self, size: int) -> int:
@@ -159,12 +160,6 @@ class DecodeProgram(ABC):
         return self.max_nodes == 1 or self.budget == 1
 
     @property
-    def max_step(self) -> int | None:
-        """The most tokens one forward may take (the hooks' tightest limit; None: the cache's room)."""
-        limits = [hook.max_step for hook in self.hooks if hook.max_step is not None]
-        return min(limits) if limits else None
-
-    @property
     def evicts(self) -> bool:
         """A step takes a bounded number of tokens (an evicting cache: prompts of any length, in pieces)."""
         return self.max_step is not None
@@ -177,6 +172,8 @@ class DecodeProgram(ABC):
     def use_hooks(self, hooks: Sequence[RuntimeHook]) -> None:
         """Run `hooks` around every step; no tree is larger than a step may take."""
         self.hooks = tuple(hooks)
+        limits = [hook.max_step for hook in self.hooks if hook.max_step is not None]
+        self.max_step = min(limits) if limits else None  # read by room() for every row of every step
         if self.max_step is not None:
             self.max_nodes = min(self.max_nodes, self.max_step)
 

@@ -176,7 +176,7 @@ class RowsLayout:
             ids[:live, : input_ids.shape[1]] = input_ids
             input_ids = ids
         eye = torch.eye(t, dtype=torch.bool, device=device)
-        ancestors = torch.stack([row.ancestors if row.size == t else _padded_mask(row.ancestors, eye)
+        ancestors = torch.stack([row.ancestors if row.size == t else padded_mask(row.ancestors, eye)
                                  for row in self.rows] + [eye] * (batch - live))  # fmt: skip  [B, T, T]
         pad = [0] * (batch - live)  # a padding row: committed 0, no real node
         committed = torch.tensor([row.committed for row in self.rows] + pad, device=device)  # [B]
@@ -201,7 +201,7 @@ class RowsLayout:
         return rows, sources, destinations
 
 
-def _padded_mask(ancestors: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+def padded_mask(ancestors: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
     """[T, T]: a row's ancestor mask [T_b, T_b] in the top-left corner of `eye` (padding nodes see themselves)."""
     mask = eye.clone()
     mask[: ancestors.shape[0], : ancestors.shape[0]] = ancestors
