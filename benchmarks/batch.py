@@ -2,7 +2,7 @@
 static cache + torch.compile batched, in the same run, code and chat prompts mixed in each batch.
 
     python benchmarks/batch.py [--prompts 4] [--batches 1 2 4 8] [--max-new-tokens 128] [--no-compile-baseline]
-        [--device cuda --dtype bfloat16 --lowering cudagraphs --max-batches 2 --no-alone-reference]
+        [--device cuda --dtype bfloat16 --lowering cudagraphs --max-batches 2 --no-alone-reference] [--phases]
 
 The evaluation prompts (HumanEval[120:120+N] raw, chat summaries [0:N]) are interleaved code, chat,
 code, ... and cut into consecutive batches of B, so every B generates the same rows. HF's batches are
@@ -15,7 +15,8 @@ Writes benchmarks/results/batch-<device>.json and .png.
 On a GPU (`--device cuda`): HF's static-cache baseline is HF's own auto-compile (bench._compiled_forward);
 `--max-batches N` times at most N batches per B (the first N x B rows), so small B do not spend the
 lease on many sequential batches; `--no-alone-reference` skips generating every row alone (bf16 rows
-are compared with HF's padded batch only, where rounding differs anyway).
+are compared with HF's padded batch only, where rounding differs anyway). `--phases` adds, at the largest
+B, where a step of one batch goes: the host's phases against its wait for the device.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--lowering", default="auto", help="specpass lowering (CompileOptions.lowering)")
     parser.add_argument("--max-batches", type=int, default=None, help="timed batches per B (default: all rows)")
     parser.add_argument("--no-alone-reference", action="store_true")
+    parser.add_argument("--phases", action="store_true",
+                        help="profile one batch at the largest B: per-step host phases vs the device's wait")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -137,22 +140,60 @@ def main() -> None:
         greedy = line["hf_batched_greedy"]["tokens_per_second"]
         for entry in line.values():
             entry["speedup_vs_hf_batched_greedy"] = round(entry["tokens_per_second"] / greedy, 3)
+        if args.phases and b == max(args.batches):
+            line["specpass_batched"]["step_phases_ms"] = _phases(program, *padded[0], new)
         results[str(b)] = line
         print(f"B={b}: " + ", ".join(f"{k} {v['tokens_per_second']} tok/s ({v['speedup_vs_hf_batched_greedy']}x)"
                                      for k, v in line.items()), flush=True)  # fmt: skip
+        _write(args, device, results)  # after every B: a run cut short keeps what it measured
 
+
+
+def _write(args, device: torch.device, results: dict) -> None:
     report = {
         **bench.run_identity(device),
         "dtype": args.dtype,
         "lowering": args.lowering,
-        **bench.evaluation_sets(args.prompts, new),
+        **bench.evaluation_sets(args.prompts, args.max_new_tokens),
         "rows": "code and chat interleaved, cut into consecutive batches of B (the same rows for every B)",
         "drafter": "default (Combined(PromptLookup(), TokenRecycling())), budget 'cost'",
         "results": results,
     }
     path = bench.write_report(report, args.out_dir, prefix="batch-")
     _plot(report, path.removesuffix(".json") + ".png")
-    print(f"wrote {path}")
+    print(f"wrote {path}", flush=True)
+
+
+def _phases(program, ids: torch.Tensor, mask: torch.Tensor, new: int) -> dict:
+    """Milliseconds per decode step of one batch, by phase (decode_phases.PhaseClock: `forward_wait` is
+    the host waiting for the device, the rest is the host's own work), the prefill left out."""
+    from decode_phases import PHASES, PhaseClock  # benchmarks/ is the script's directory
+
+    from specpass.backends import decode as loop
+
+    prefill, steps = loop._prefill, [0]
+
+    def untimed_prefill(*args):
+        prefill(*args)
+        clock.seconds.clear()
+        steps[0] = 0
+
+    with PhaseClock(program) as clock:
+        forward = program.forward
+        program.forward = lambda *a, **k: (steps.__setitem__(0, steps[0] + 1), forward(*a, **k))[1]
+        loop._prefill = untimed_prefill
+        try:
+            out = specpass.generate(program, ids, new, attention_mask=mask)
+        finally:
+            loop._prefill = prefill
+    stats = out.stats if isinstance(out.stats, tuple) else (out.stats,)
+    decode = max(s.seconds for s in stats) - stats[0].prefill_seconds
+    step_ms = {name: 1e3 * clock.seconds[name] / steps[0] for name in PHASES if name != "other"}
+    step_ms["other"] = 1e3 * decode / steps[0] - sum(step_ms.values())
+    step_ms["step"] = 1e3 * decode / steps[0]
+    step_ms["host_share"] = 1 - step_ms["forward_wait"] / step_ms["step"]
+    print("phases at B =", len(stats), {k: round(v, 3) for k, v in step_ms.items()}, flush=True)
+    return {"steps": steps[0], **{k: round(v, 3) for k, v in step_ms.items()}}
 
 
 def _plot(report: dict, path: str) -> None:
