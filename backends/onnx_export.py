@@ -12,8 +12,8 @@ model (2-core EPYC) the optimizer doubled the export (113.6 s against 57.5) for 
 (T = 1: 35.8 against 36.3 ms; T = 64: 191.7 against 179.5 ms).
 
 Output directory: model.onnx (+ model.onnx.data when the weights are stored externally),
-draft.onnx when the pipeline adds draft heads (`backends.onnx_draft`), observe.onnx and evict.onnx
-when it evicts the KV cache (`backends.onnx_eviction`), pipeline.json, manifest.json
+draft.onnx when the pipeline adds draft heads (`backends.onnx_draft`), the files a pass's export hook
+adds (passes.export: KV eviction's observe.onnx and evict.onnx), pipeline.json, manifest.json
 (inputs, outputs, shapes, meaning, the check's result) and the tokenizer's files when a tokenizer
 is given. Everything is written to a hidden folder beside the output and renamed into place once
 checked, so an interrupted export never leaves a directory that looks complete.
@@ -37,16 +37,14 @@ from torch import nn
 
 from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
 from specpass.backends.onnx_draft import export_draft
-from specpass.backends.onnx_eviction import export_eviction
 from specpass.backends.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, ort_session
 from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
-from specpass.passes import Pipeline
-from specpass.rewrites.kv_eviction import EVICTION_META, KVEviction
-from specpass.rewrites.kv_eviction.base import attention_scales
+from specpass.passes import Pass, Pipeline
+from specpass.passes.export import ExportGraph, ExportHook
+from specpass.rewrites.kv_eviction import EVICTION_META
 
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
-EXPORTABLE_PASSES = ("TreeAttention", "DraftHeads", "LadderResidual")  # the ladder rewires streams, not KV
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 MEANING = {
@@ -72,14 +70,23 @@ class ExportResult:
     max_abs_diff: float | None  # None when the check was skipped
 
 
-def check_exportable(pipeline: Pipeline) -> None:
+def export_hooks(pipeline: Pipeline, rewritten: torch.fx.GraphModule, dtype: torch.dtype) -> list[ExportHook]:
+    """Each pass's export hook for the step it rewrote (Pass.export_hook); a pass without one is refused."""
+    hooks = []
     for p in pipeline:
-        if p.name not in EXPORTABLE_PASSES and not isinstance(p, KVEviction):
-            raise ExportError(
-                f"the ONNX exporter cannot express pass {p.name}: only {', '.join(EXPORTABLE_PASSES)} and the "
-                "KV-eviction policies are mapped to the exported step's inputs and outputs (KV as inputs/outputs, "
-                "tree and past masks)"
-            )
+        hook = p.export_hook(rewritten, arch_of(rewritten), dtype)
+        if hook is None:
+            exportable = ", ".join(sorted(t.__name__ for t in _exportable_types()))
+            raise ExportError(f"the ONNX exporter cannot express pass {p.name}: a pass is exported when it says what "
+                              f"it adds to an export (Pass.export_hook); these do: {exportable}")  # fmt: skip
+        hooks.append(hook)
+    return hooks
+
+
+def _exportable_types() -> list[type]:
+    from specpass.passes import known_passes
+
+    return [t for t in known_passes().values() if t.export_hook is not Pass.export_hook]
 
 
 def _shapes(arch: ArchSpec, batch: int, t: int, s: int) -> dict[str, tuple]:
@@ -112,7 +119,6 @@ def _sample(arch: ArchSpec, dtype: torch.dtype, t: int, s: int, tokens: list[int
 
 def rewritten_step(model: nn.Module, pipeline: Pipeline) -> torch.fx.GraphModule:
     """Capture and run the pipeline (verified after each pass); `kv_as_io` makes it the exported function."""
-    check_exportable(pipeline)
     rewritten, _ = pipeline.run(capture(model, cache_size=2))  # the functional step owns no cache
     return rewritten
 
@@ -154,6 +160,7 @@ def export(
 
     stage(stages[0])
     rewritten = rewritten_step(model, pipeline)
+    hooks = export_hooks(pipeline, rewritten, dtype)
     step = kv_as_io(rewritten)
     arch = arch_of(step)
     bar.update()
@@ -174,9 +181,10 @@ def export(
         entries = {}
         if draft_graph(step) is not None:  # a draft graph (ir.draft) goes to draft.onnx
             entries["draft"] = export_draft(draft_graph(step), draft_spec(step), dtype, staging, check, _quiet_exporter)
-        if EVICTION_META in rewritten.meta:  # the policy's graphs go to observe.onnx, evict.onnx
-            policy, scales = rewritten.meta[EVICTION_META], attention_scales(rewritten)
-            entries["eviction"] = export_eviction(policy, scales, arch, dtype, staging, check, _quiet_exporter)
+        for hook in hooks:  # what the passes add beside the step (their own graphs, a manifest entry)
+            diffs = {g.file: _export_graph(g, staging, dtype, check) for g in hook.graphs}
+            if hook.manifest_key is not None:
+                entries[hook.manifest_key] = dict(hook.entry) | ({"check_max_abs_diff": diffs} if check else {})
         bar.update()
         diffs = None
         if check:
@@ -194,6 +202,32 @@ def export(
     finally:
         bar.close()
     return ExportResult(out_dir, os.path.join(out_dir, "model.onnx"), manifest, max(diffs.values()) if diffs else None)
+
+
+def _export_graph(graph: ExportGraph, out_dir: str, dtype: torch.dtype, check: bool) -> float | None:
+    """Export a pass's graph to out_dir/graph.file; with `check`, onnx.checker and ORT against PyTorch
+    on the sample inputs (returns the largest difference; ExportError past TOLERANCE)."""
+    path = os.path.join(out_dir, graph.file)
+    inputs = dict(graph.inputs)
+    try:
+        with _quiet_exporter():
+            program = torch.onnx.export(graph.module, (), kwargs=inputs, dynamo=True, dynamic_shapes=graph.dynamic_shapes,
+                                        input_names=list(inputs), output_names=list(graph.outputs), optimize=False)  # fmt: skip
+    except Exception as exc:
+        raise ExportError(f"torch.onnx.export of {graph.file} failed: {type(exc).__name__}: {str(exc)[:600]}") from exc
+    program.save(path)
+    if not check:
+        return None
+    import onnx
+
+    onnx.checker.check_model(path, full_check=True)
+    with torch.no_grad():
+        expected = graph.module(**inputs)
+    got = ort_session(path, torch.device("cpu")).run(None, {k: v.numpy() for k, v in inputs.items()})
+    worst = max(float((torch.from_numpy(g).float() - e.float()).abs().max()) for g, e in zip(got, expected))
+    if not worst <= TOLERANCE[dtype]:
+        raise ExportError(f"{graph.file} on ORT differs from PyTorch by {worst:.3g} (> {TOLERANCE[dtype]})")
+    return worst
 
 
 def _move_into_place(staging: str, out_dir: str) -> None:

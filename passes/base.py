@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 import torch.fx
 
 CAPTURED = "captured_decode_step"
@@ -52,6 +53,11 @@ class Pass(ABC):
     def runtime_hook(self, gm: torch.fx.GraphModule):
         """This pass's runtime half for the step `gm` it rewrote (a passes.runtime.RuntimeHook), or None
         (the default: the step needs nothing but forward and commit)."""
+        return None
+
+    def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype):
+        """What this pass adds to an ONNX export of the step `gm` it rewrote, for `arch` (ir.ArchSpec)
+        in `dtype` (a passes.export.ExportHook), or None (the default): the exporter cannot express it."""
         return None
 
     def largest_tree(self) -> int | None:

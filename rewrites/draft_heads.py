@@ -33,6 +33,7 @@ from specpass.ir import arch_of
 from specpass.ir.draft import ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
 from specpass.ir.roles import Role
 from specpass.passes.draft import DraftGraphPass
+from specpass.passes.export import ExportHook
 
 DRAFT_HEADS = "draft_heads"
 HEADS_KIND = "heads"  # the draft-graph kind drafters.Heads drives
@@ -60,6 +61,10 @@ class DraftHeads(DraftGraphPass):
         from specpass.heads.io import shipped_heads
 
         return shipped_heads(self.kind) if self.heads == "default" else self.heads
+
+    def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype) -> ExportHook:
+        """Nothing beside the step: any draft graph (ir.draft) is exported as draft.onnx."""
+        return ExportHook()
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
         from specpass.heads.io import model_mismatch, read_config

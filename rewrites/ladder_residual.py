@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx
 
 from specpass.errors import GraphVerificationError, InvalidParameterError
@@ -46,6 +47,7 @@ from specpass.ir.draft import resume_graph
 from specpass.ir.query import residual_adds
 from specpass.ir.roles import info
 from specpass.passes.base import Pass, PassResult
+from specpass.passes.export import ExportHook
 
 LADDER_RESIDUAL = "ladder_residual"
 
@@ -102,6 +104,10 @@ class LadderResidual(Pass):
         if len(set(chosen)) != len(chosen):
             raise InvalidParameterError(f"LadderResidual: a layer is named twice in {self.layers}")
         return tuple(chosen)
+
+    def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype) -> ExportHook:
+        """Nothing beside the step: the ladder rewires streams inside the step, not its inputs or outputs."""
+        return ExportHook()
 
     def check(self, gm: torch.fx.GraphModule) -> str | None:
         num_layers = arch_of(gm).num_layers

@@ -31,6 +31,7 @@ from specpass.ir import arch_of, is_captured_step, query
 from specpass.ir.layout import slot_visibility
 from specpass.ir.roles import Role, annotate, info, placeholder
 from specpass.passes.base import Pass, PassResult
+from specpass.passes.export import ExportHook
 
 TREE_ATTENTION = "tree_attention"
 
@@ -53,6 +54,10 @@ class TreeAttention(Pass):
 
     def largest_tree(self) -> int:
         return self.max_nodes
+
+    def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype) -> ExportHook:
+        """Nothing beside the step: the tree mask is an input of every exported step."""
+        return ExportHook()
 
     def check(self, gm: torch.fx.GraphModule) -> str | None:
         graph = gm.graph

@@ -1,5 +1,6 @@
 """ONNX export and the ONNX Runtime lowering (CPU EP): round trip, tree mask, KV commit, errors, lossless."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from specpass.cli import main
 from specpass.drafters import DraftTree
 from specpass.ir import RowsLayout, SlotLayout
 from specpass.passes import Pass, PassResult
+from specpass.passes.export import ExportGraph, ExportHook
 
 pytest.importorskip("onnxruntime")
 TREE = specpass.Pipeline(specpass.rewrites.TreeAttention(16))
@@ -229,6 +231,36 @@ def test_export_errors(tmp_path):
     with pytest.raises(specpass.SpecpassError, match="no manifest.json"):
         specpass.load_onnx(str(tmp_path / "full"))
     assert main(["generate", "--backend", "onnxrt", "--prompt", "hi"]) == 2  # --model is required
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, x):
+        return (2 * x,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithAGraph(_Unexportable):
+    """A pass whose export hook adds one graph beside the step and a manifest entry."""
+
+    def export_hook(self, gm, arch, dtype):
+        x = torch.arange(arch.hidden_size, dtype=dtype)[None]
+        graph = ExportGraph("doubled.onnx", _Doubled(), {"x": x}, ("y",), {"x": {0: torch.export.Dim("n")}})
+        return ExportHook("doubled", (graph,), {"file": "doubled.onnx", "width": arch.hidden_size})
+
+
+def test_a_pass_export_hook_adds_its_graphs_and_its_manifest_entry(tmp_path):
+    """Pass.export_hook: its graph is exported, checked on ORT and named in the manifest; the pass
+    without one is refused naming the passes that have one."""
+    import onnxruntime
+
+    result = export(tiny_model(), specpass.Pipeline(specpass.rewrites.TreeAttention(16), _WithAGraph()),
+                    str(tmp_path / "out"), progress=False)  # fmt: skip
+    entry = result.manifest["doubled"]
+    assert entry["file"] == "doubled.onnx" and entry["width"] == 32 and entry["check_max_abs_diff"] == {"doubled.onnx": 0.0}
+    session = onnxruntime.InferenceSession(os.path.join(result.directory, "doubled.onnx"))
+    assert session.run(["y"], {"x": torch.ones(3, 32).numpy()})[0].tolist() == [[2.0] * 32] * 3
+    with pytest.raises(specpass.ExportError, match="these do: .*KVEviction.*TreeAttention"):
+        export(tiny_model(), specpass.Pipeline(_Unexportable()), str(tmp_path / "x"), progress=False)
 
 
 def test_float16_export_is_checked(tmp_path):

@@ -165,6 +165,12 @@ class KVEviction(Pass):
 
         return GraphEviction(gm, gm.meta[EVICTION_META])
 
+    def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype):
+        """The policy's graphs beside the exported step (rewrites.kv_eviction.export)."""
+        from specpass.rewrites.kv_eviction.export import eviction_export
+
+        return eviction_export(gm.meta[EVICTION_META], attention_scales(gm), arch, dtype)
+
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """The cache is `budget` slots; every layer's attention reads its queries through the
         recording op; both eviction graphs are there and read the step's own buffers."""
