@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.backends.lowering import lower
+from specpass.backends.lowering.registry import lower
 from specpass.backends.options import CompileOptions
 from specpass.errors import UnsupportedArchitectureError
 from specpass.ir import ArchSpec, SlotLayout, arch_of, is_captured_step

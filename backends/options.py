@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from specpass.backends.lowering import AUTO, LOWERINGS
+from specpass.backends.lowering.registry import AUTO, LOWERINGS
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError
 from specpass.ir import ArchSpec
@@ -34,7 +34,7 @@ class CompileOptions:
     """pipeline: the rewrites applied to the captured step (None: `default_pipeline` fitted to the
     model: TreeAttention(64), shorter below a sliding window of 64 or less); drafter: who proposes the trees;
     lowering: eager, onednn (float32 on CPU), gguf (the linears read the quantized blocks of the GGUF
-    file the model was loaded from, on a CPU; not float32-exact: backends/gguf_lowering.py), inductor (TorchInductor; replayed in CUDA graphs on
+    file the model was loaded from, on a CPU; not float32-exact: backends/lowering/gguf.py), inductor (TorchInductor; replayed in CUDA graphs on
     CUDA), cudagraphs (the FX step in CUDA graphs) or auto (inductor on CUDA; on a CPU with oneDNN
     both eager and onednn, each tree size run on the one its measured cost curve says is faster; else
     eager);

@@ -169,7 +169,7 @@ def _phases(program, ids: torch.Tensor, mask: torch.Tensor, new: int) -> dict:
     the host waiting for the device, the rest is the host's own work), the prefill left out."""
     from decode_phases import PHASES, PhaseClock  # benchmarks/ is the script's directory
 
-    from specpass.backends import decode as loop
+    from specpass.backends.runtime import decode as loop
 
     prefill, steps = loop._prefill, [0]
 

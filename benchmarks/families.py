@@ -23,6 +23,7 @@ import torch
 import specpass
 from specpass.research.bench import run_identity, write_report
 from specpass.drafters import Combined, DraftTree, PromptLookup, TokenRecycling
+from specpass.backends.lowering.registry import lower
 from specpass.ir import SlotLayout, capture
 from specpass.rewrites import TreeAttention
 from specpass.research.tiny_models import TINY_ARCHS, tiny_model
@@ -51,7 +52,7 @@ def step_differences(model) -> dict[str, float]:
     decode = max((gm(ids[:, t : t + 1], torch.tensor([[t]]), t + 1)[0][0, 0] - reference[0, t]).abs().max().item()
                  for t in range(30, 40))  # fmt: skip
     tree_gm, _ = specpass.Pipeline(TreeAttention(8)).run(capture(model, cache_size=CACHE))
-    step, _, _ = specpass.backends.lowering.lower(tree_gm, "eager", torch.device("cpu"), 8, CACHE)
+    step, _, _ = lower(tree_gm, "eager", torch.device("cpu"), 8, CACHE)
     step(ids[:, :20], SlotLayout.chain(0, 20))
     tree = DraftTree((5, 17, 33, 41, 2, 8, 60), PARENTS, (1.0,) * 7, (None,) * 7)
     logits, _ = step(torch.tensor([tree.tokens]), SlotLayout(20, tree.ancestor_mask()))  # [1, 7, V]

@@ -6,14 +6,14 @@ Rows (greedy, 128 new tokens, the benchmark's evaluation prompts: HumanEval[120:
 summaries [0:], chat template; every row the same prompts, the same thread count):
   hf_greedy                 transformers float32 greedy (the reference of every agreement count)
   specpass_float32          specpass's default (combined tree, cost budget, `auto` float32 lowering)
-  specpass_gguf             the same drafter and budget on lowering="gguf" (backends/gguf_lowering.py)
+  specpass_gguf             the same drafter and budget on lowering="gguf" (backends/lowering/gguf.py)
   specpass_gguf_one_token   lowering="gguf" without speculation (budget 1)
   llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty)
   llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens)
 Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
 first token; HF: not measured), tau where known, outputs identical to HF float32 greedy, and at each
 first divergence the reference's top-2 logit gap, `near_tie` when it is within NEAR_TIE_LOGITS (the
-gguf lowering's rounding: backends/gguf_lowering.py). `specpass_gguf` is also compared with
+gguf lowering's rounding: backends/lowering/gguf.py). `specpass_gguf` is also compared with
 `specpass_gguf_one_token` (`identical_to_one_token`: speculation on the gguf lowering against that
 lowering's own one-token greedy; a divergence there, too, must be a near-tie of the float32 logits).
 Writes gguf-cpu-<device>.json.
@@ -30,7 +30,7 @@ import torch
 
 import specpass
 from specpass.research import prompts as P
-from specpass.backends.gguf_lowering import NEAR_TIE_LOGITS
+from specpass.backends.lowering.gguf import NEAR_TIE_LOGITS
 from specpass.research.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
 from specpass.models import GGUF_FILE, default_model_dir
 

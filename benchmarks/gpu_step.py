@@ -4,7 +4,7 @@ tree size, against the weights' bandwidth floor.
 Model shapes: SmolLM2-135M-Instruct's (the default model) and Llama-3.1-8B's, both with random
 weights (a step's time does not depend on the weights' values; nothing is downloaded). Lowerings:
 `cudagraphs` (the FX step replayed in CUDA graphs), `inductor` (the inductor-compiled step
-replayed in CUDA graphs), both with q|k|v and gate|up fused (backends.fuse_projections), and
+replayed in CUDA graphs), both with q|k|v and gate|up fused (backends.lowering.fuse_projections), and
 `inductor-unfused` (the inductor step without that fusion, for comparison in the same run). A
 lowering named `name@backend` (e.g. `cudagraphs@efficient_attention`) is captured with only that
 scaled-dot-product-attention backend allowed (torch.nn.attention.SDPBackend).
@@ -35,9 +35,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specpass
-from specpass.backends.cudagraphs import CudaGraphStep
-from specpass.backends.inductor import InductorStep
-from specpass.backends.lowering import lower
+from specpass.backends.lowering.cudagraphs import CudaGraphStep
+from specpass.backends.lowering.inductor import InductorStep
+from specpass.backends.lowering.registry import lower
 from specpass.research.bench import write_report
 from specpass.ir import SlotLayout, capture
 

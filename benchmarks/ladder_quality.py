@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import specpass
 from specpass.research import prompts as P
-from specpass.backends.program import forget_programs
+from specpass.backends.runtime.program import forget_programs
 from specpass.research.bench import run_identity, write_report
 from specpass.heads.train import generate_corpus
 from specpass.research.ladder_training import LadderTrainConfig, layer_parameters, recover_ladder

@@ -67,7 +67,7 @@ def _programs(model, device, tokenizer, export_dir, names):
         programs[name] = specpass.compile_program(torch.compile(model, backend="specpass", options=options))
     if not set(ORT_CONFIGS) & set(names):
         return programs
-    from specpass.backends.onnx_export import export
+    from specpass.backends.onnx.export import export
 
     cpu_model, _ = specpass.load_default_model()  # the export's check compares ORT CPU with a CPU copy
     pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(64), specpass.rewrites.DraftHeads("hydra"))

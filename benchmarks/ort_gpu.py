@@ -57,7 +57,7 @@ def timed(fn, device: torch.device):
 
 
 def run_dtype(dtype: torch.dtype, cases: dict, max_new_tokens: int, export_dir: str, device: torch.device) -> dict:
-    from specpass.backends.onnx_export import export
+    from specpass.backends.onnx.export import export
 
     cpu_model, tokenizer = specpass.load_default_model(dtype=dtype)  # exported (and checked) from the CPU
     start = time.perf_counter()

@@ -23,7 +23,7 @@ a graph it is encoded two ways, both defined here:
 
 * the static-cache step (rewrites.TreeAttention) takes `cache_slots` = the write slots and
   `tree_mask` = the ancestor mask; row b's committed length is `cache_slots[b, 0]` (`slot_visibility`);
-* the functional step (backends.kv_io, for export) takes `past_mask` = `prefix_mask` and `tree_mask`
+* the functional step (backends.onnx.kv_io, for export) takes `past_mask` = `prefix_mask` and `tree_mask`
   (`past_and_tree_visibility`).
 """
 
@@ -163,7 +163,7 @@ class RowsLayout:
     def step_inputs(self, input_ids: torch.Tensor, size: int | None = None, batch: int | None = None) -> dict:
         """The static-cache step's inputs for `input_ids` [B, T] (each row's tokens, padded), padded
         further to `size` tokens a row and `batch` rows when given (a graph-replay bucket,
-        backends.cudagraphs): padding nodes as in the class docstring, and a padding row b >= B is
+        backends.lowering.cudagraphs): padding nodes as in the class docstring, and a padding row b >= B is
         `size` nodes each seeing only itself in slots 0 .. size - 1 of cache row b, a row no live
         sequence uses (the batched loop keeps its live rows first, SpeculativeProgram.keep_rows)."""
         live, t = len(self.rows), self.size if size is None else size

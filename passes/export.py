@@ -4,7 +4,7 @@
 exporter cannot express the pass (the export then refuses, naming it), else an `ExportHook`. A hook
 with nothing in it says the pass lives entirely inside the step's graph (a tree mask, draft heads'
 outputs, the ladder's streams). A hook with graphs adds files beside model.onnx: each graph is a
-torch module with sample inputs, which the exporter (backends.onnx_export) traces, saves and checks on
+torch module with sample inputs, which the exporter (backends.onnx.export) traces, saves and checks on
 ONNX Runtime against PyTorch, and `entry` goes to the manifest under `manifest_key` for the runtime
 that reads the export back. It lives here, below rewrites/ and backends/, as the runtime hooks do:
 the rewrite says what to export, the backend knows how.

@@ -2,7 +2,7 @@
 
 A pass whose rewritten step needs more than forward-and-commit (KV eviction frees slots after each
 commit; tensor parallelism keeps every process's decisions equal) provides a `RuntimeHook` through
-`Pass.runtime_hook(gm)`. A program (backends.program) composes the hooks of its pipeline in pipeline
+`Pass.runtime_hook(gm)`. A program (backends.runtime.program) composes the hooks of its pipeline in pipeline
 order; the loop never asks which rewrites ran. Every method has the neutral default, so a hook
 overrides only what its rewrite needs. It lives here, below both rewrites/ and backends/, so a
 rewrite's runtime half sits beside its rewrite without a rewrites -> backends import.

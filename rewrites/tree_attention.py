@@ -16,7 +16,7 @@ prefix of its row or s == cache_slots[b, j] for an ancestor-or-self j of i. The 
 Invariants. Logits of node i equal the chain step's logits for the path root -> i (a chain is the
 tree whose mask is lower-triangular; a one-node tree is plain decoding). Nothing else in the graph
 changes. After verification the caller moves the accepted path's K/V into consecutive slots with
-`backends.kv.compact` (no recompute). Applying the rewrite twice is refused.
+`backends.runtime.kv.compact` (no recompute). Applying the rewrite twice is refused.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specpass.backends import onednn
+from specpass.backends.lowering import onednn
 from specpass.research.tiny_models import TINY_ARCHS, TINY_CONFIGS, WINDOW, tiny_model  # noqa: F401 (tests import them here)
 
 needs_onednn = pytest.mark.skipif(

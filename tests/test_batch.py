@@ -1,4 +1,4 @@
-"""Batched speculative decoding (backends/decode.py, the one loop): rows of different lengths in one forward,
+"""Batched speculative decoding (backends/runtime/decode.py, the one loop): rows of different lengths in one forward,
 ragged acceptance, per-row commits, rows finishing at different steps; every row equals that
 sequence decoded alone."""
 
@@ -10,9 +10,9 @@ from conftest import (
     FIXED_BUDGET, NEW_TOKENS, needs_cxx, padded, peaked_tiny_model, tiny_model, token_inside_an_accepted_draft,
     with_heads,
 )  # fmt: skip
-from specpass.backends.decode import generate as decode
+from specpass.backends.runtime.decode import generate as decode
 from specpass.backends.options import CompileOptions
-from specpass.backends.program import SpeculativeProgram
+from specpass.backends.runtime.program import SpeculativeProgram
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
 from specpass.errors import InvalidParameterError
 from specpass.ir import RowsLayout, SlotLayout
@@ -251,7 +251,7 @@ def test_sampled_rows_equal_each_row_sampled_alone():
 
 
 def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
-    """What the CUDA-graph lowerings replay for a batch (backends.cudagraphs), run on the CPU: two live
+    """What the CUDA-graph lowerings replay for a batch (backends.lowering.cudagraphs), run on the CPU: two live
     rows of a four-row cache padded to 8 tokens and 4 rows give the live rows' logits of the unpadded
     step, write the live rows' real K/V as it does and touch no committed slot of a live row."""
     model = tiny_model("llama")

@@ -9,7 +9,7 @@ from conftest import (
 )  # fmt: skip
 
 import specpass
-from specpass.backends.onnx_export import export
+from specpass.backends.onnx.export import export
 from specpass.drafters import SelfDraft
 from specpass.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
 from specpass.errors import PassPipelineError

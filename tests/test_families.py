@@ -10,6 +10,7 @@ from conftest import FIXED_BUDGET, TINY_ARCHS, char_tokenizer, tiny_model
 import specpass
 from specpass.drafters import Combined, DraftTree, PromptLookup, TokenRecycling
 from specpass.ir import FAMILIES, SUPPORTED_ARCHITECTURES, SlotLayout, capture
+from specpass.backends.lowering.registry import lower
 from specpass.rewrites import TreeAttention
 
 PARENTS = (-1, 0, 0, 1, 2, 4, 2)  # root -> 1 -> 3, root -> 2 -> 4 -> 5, 2 -> 6
@@ -26,7 +27,7 @@ def test_every_registered_architecture_has_a_tiny_config():
 def test_tree_verification_equals_hf_on_every_branch(arch):
     model = tiny_model(arch, seed=1)
     gm, _ = specpass.Pipeline(TreeAttention(8)).run(capture(model, cache_size=64))
-    step, _, _ = specpass.backends.lowering.lower(gm, "eager", torch.device("cpu"), 8, 64)
+    step, _, _ = lower(gm, "eager", torch.device("cpu"), 8, 64)
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
     step(prompt, SlotLayout.chain(0, 20))
     tree = DraftTree((5, 17, 33, 41, 2, 8, 60), PARENTS, (1.0,) * 7, (None,) * 7)

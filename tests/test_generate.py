@@ -5,7 +5,7 @@ import torch
 
 import specpass
 from conftest import FIXED_BUDGET, NEW_TOKENS, token_inside_an_accepted_draft, with_heads
-from specpass.backends.cost import CostCurve
+from specpass.backends.runtime.cost import CostCurve
 from specpass.drafters import Combined, Drafting, Heads, PromptLookup, TokenRecycling, expected_tokens
 from specpass.rewrites import TreeAttention
 

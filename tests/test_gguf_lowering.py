@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import specpass
-from specpass.backends.gguf_blocks import BLOCK, match_blocks, parse_blocks
-from specpass.backends.gguf_lowering import NEAR_TIE_LOGITS, available, gguf_linear, gguf_source, planes_of
+from specpass.backends.lowering.gguf_blocks import BLOCK, match_blocks, parse_blocks
+from specpass.backends.lowering.gguf import NEAR_TIE_LOGITS, available, gguf_linear, gguf_source, planes_of
 from specpass.errors import InvalidParameterError
 from specpass.ir import arch_of, capture
 from tests.conftest import tiny_model

@@ -6,7 +6,7 @@ from conftest import peaked_tiny_model, tiny_model
 
 import specpass
 from specpass.research import prompts
-from specpass.backends.lowering import lower
+from specpass.backends.lowering.registry import lower
 from specpass.drafters import DraftTree
 from specpass.ir import SlotLayout, capture
 
@@ -76,7 +76,7 @@ def test_ort_cuda_ep_with_iobinding_equals_hf_greedy(tmp_path, cuda_graphs):
     ort = pytest.importorskip("onnxruntime")
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDA EP here (install onnxruntime-gpu)")
-    from specpass.backends.onnx_export import export
+    from specpass.backends.onnx.export import export
 
     model = tiny_model("llama")
     export(model, specpass.Pipeline(specpass.rewrites.TreeAttention(16)), str(tmp_path), progress=False)
@@ -135,7 +135,7 @@ def test_batched_rows_in_cuda_graphs_equal_eager_rows(lowering):
     """A batch replayed in CUDA graphs bucketed by rows: rows finish at different steps (one at an EOS,
     the others at the length limit), the graphs follow the live rows down, and every row's tokens are
     the eager lowering's."""
-    from specpass.backends.decode import generate as decode
+    from specpass.backends.runtime.decode import generate as decode
     from specpass.drafters import PromptLookup
 
     model = peaked_tiny_model().cuda()

@@ -397,7 +397,7 @@ def test_training_positions_cover_the_prompt_and_accuracy_positions_only_the_gen
 
 def test_export_with_heads_runs_losslessly_on_ort(trained, tmp_path):
     pytest.importorskip("onnxruntime")
-    from specpass.backends.onnx_export import export
+    from specpass.backends.onnx.export import export
 
     model, out, _ = trained
     pipeline = specpass.Pipeline(TreeAttention(16), DraftHeads("hydra", out["hydra"][0]))

@@ -129,7 +129,7 @@ WARPERS = {  # strong settings at T = 1, so that the warper shows in a 12-token 
 def test_each_warper_changes_the_sample_and_speculation_keeps_it(default_model, cases, name):
     """With the same seed, sampling with the warper differs from sampling without it, and speculative
     sampling through the hook equals one-node sampling through the hook (HF draws other noise, so HF's
-    own sample is not the reference; the law is HF's: backends/sampling.py)."""
+    own sample is not the reference; the law is HF's: backends/runtime/sampling.py)."""
     model, _ = default_model
     ids, _ = cases[3]
     base = dict(max_new_tokens=12, do_sample=True, seed=5)

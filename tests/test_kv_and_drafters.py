@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from specpass.backends.cost import CostCurve, measure
-from specpass.backends.kv import compact
+from specpass.backends.runtime.cost import CostCurve, measure
+from specpass.backends.runtime.kv import compact
 from specpass.drafters.heads import HeadStats
 from specpass.drafters.stats import ProbabilityCalibration
 from specpass.drafters import (

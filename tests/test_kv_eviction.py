@@ -430,7 +430,7 @@ def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path):
     the export's cache size is its budget."""
     import onnx
 
-    from specpass.backends.onnx_export import export
+    from specpass.backends.onnx.export import export
 
     model = tiny_model()
     policy = _policy(cls, 32, 8)

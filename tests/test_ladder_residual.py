@@ -140,7 +140,7 @@ def test_speculation_on_a_laddered_model_equals_its_own_plain_greedy(arch):
 
 
 def test_the_onnx_export_keeps_the_ladder_and_the_cli_says_the_output_changes(tmp_path, capsys):
-    from specpass.backends.onnx_export import export
+    from specpass.backends.onnx.export import export
     from specpass.cli import main
 
     model = _strong_layers(tiny_model("llama"))

@@ -6,11 +6,11 @@ from conftest import needs_cxx, needs_onednn, tiny_model
 from torch import nn
 
 import specpass
-from specpass.backends import onednn
-from specpass.backends.buckets import pad_step
-from specpass.backends.cost import CostCurve
-from specpass.backends.lowering import lower, resolve_lowering
-from specpass.backends.per_size import FastestPerSize
+from specpass.backends.lowering import onednn
+from specpass.backends.lowering.buckets import pad_step
+from specpass.backends.runtime.cost import CostCurve
+from specpass.backends.lowering.registry import lower, resolve_lowering
+from specpass.backends.lowering.per_size import FastestPerSize
 from specpass.drafters import DraftTree
 from specpass.ir import SlotLayout, capture, info
 
@@ -176,7 +176,7 @@ def test_auto_lowering_and_its_refusals():
 
 @pytest.mark.parametrize("tree_step", [True, False])
 def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_step):
-    """What the CUDA-graph lowerings replay (backends.buckets.pad_step), run on the CPU: a step padded
+    """What the CUDA-graph lowerings replay (backends.lowering.buckets.pad_step), run on the CPU: a step padded
     to its bucket gives the real nodes' logits of the unpadded step and writes no slot a real node
     reads, for a tree step and for a chain step (which writes each token at its position)."""
     model = tiny_model("llama")
@@ -204,7 +204,7 @@ def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_
 def test_the_lowering_registry_is_the_one_list_of_lowerings_and_their_capabilities():
     """CompileOptions accepts exactly `auto` and the registry's names, every built step says which
     lowerings it runs, and a batch is refused on a lowering the registry marks as one-row only."""
-    from specpass.backends.lowering import LOWERINGS
+    from specpass.backends.lowering.registry import LOWERINGS
     from specpass.backends.options import CompileOptions
     from specpass.errors import InvalidParameterError
 

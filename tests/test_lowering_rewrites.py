@@ -1,5 +1,5 @@
-"""Graph rewrites inside the lowerings: sibling projections as one GEMM (backends.fuse_projections:
-oneDNN, CUDA graphs, inductor) and the inductor step's in-place cache writes (backends.inductor)."""
+"""Graph rewrites inside the lowerings: sibling projections as one GEMM (backends.lowering.fuse_projections:
+oneDNN, CUDA graphs, inductor) and the inductor step's in-place cache writes (backends.lowering.inductor)."""
 
 import re
 
@@ -9,9 +9,9 @@ from conftest import needs_cxx, tiny_model
 from torch import nn
 
 import specpass
-from specpass.backends.eager import EagerStep
-from specpass.backends.fuse_projections import fuse_projections, sibling_linears
-from specpass.backends.inductor import inplace_cache_writes, write_cache_in_place
+from specpass.backends.lowering.eager import EagerStep
+from specpass.backends.lowering.fuse_projections import fuse_projections, sibling_linears
+from specpass.backends.lowering.inductor import inplace_cache_writes, write_cache_in_place
 from specpass.drafters import DraftTree
 from specpass.ir import Role, SlotLayout, arch_spec, capture, info, query
 

@@ -1,4 +1,4 @@
-"""The multi-candidate rule (backends.multi_candidate): on a synthetic two-position target with
+"""The multi-candidate rule (backends.runtime.multi_candidate): on a synthetic two-position target with
 draft laws of its own, the first two tokens that speculative sampling emits follow the target's
 processed law (chi-square over 2 x 10^4 draws, total variation shrinking), for chains and trees, drafts
 with and without draft probabilities, several temperatures, top-k and top-p; two deliberately
@@ -15,9 +15,9 @@ import torch
 
 import specpass
 from conftest import token_inside_an_accepted_draft
-from specpass.backends import multi_candidate
-from specpass.backends.multi_candidate import accept_drawn, node_laws
-from specpass.backends.sampling import Sampling, TargetChoice
+from specpass.backends.runtime import multi_candidate
+from specpass.backends.runtime.multi_candidate import accept_drawn, node_laws
+from specpass.backends.runtime.sampling import Sampling, TargetChoice
 from specpass.drafters import Heads, accept_greedy
 from specpass.drafters.tree import DraftLaw, DraftTree, Drawn
 from specpass.rewrites import DraftHeads, TreeAttention

@@ -10,7 +10,7 @@ import torch
 from conftest import NEW_TOKENS, at_once, padded, tiny_model
 
 import specpass
-from specpass.backends.onnx_export import export
+from specpass.backends.onnx.export import export
 from specpass.cli import main
 from specpass.drafters import DraftTree
 from specpass.ir import RowsLayout, SlotLayout
@@ -199,7 +199,7 @@ def test_a_damaged_export_is_one_clear_error(tiny_exports, tmp_path):
 def test_an_interrupted_export_leaves_nothing_that_looks_complete(tiny_exports, tmp_path, monkeypatch):
     """The export is written beside its directory and renamed into place once checked: interrupted in
     its checks while replacing an export (force), it leaves the old export whole and nothing else."""
-    import specpass.backends.onnx_export as onnx_export
+    import specpass.backends.onnx.export as onnx_export
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -1,4 +1,4 @@
-"""A program's state across calls (backends.guard): calls from several threads each get their own exact
+"""A program's state across calls (backends.runtime.guard): calls from several threads each get their own exact
 output, and weights changed after compiling are noticed (the program is rebuilt, or refused)."""
 
 import pytest

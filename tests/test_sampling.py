@@ -9,7 +9,7 @@ import torch
 
 import specpass
 from conftest import FIXED_BUDGET, token_inside_an_accepted_draft, with_heads
-from specpass.backends.sampling import KeyedNoise, Sampling, TargetChoice, node_prefixes, position_noise
+from specpass.backends.runtime.sampling import KeyedNoise, Sampling, TargetChoice, node_prefixes, position_noise
 from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
 from specpass.rewrites import TreeAttention
 

@@ -1,7 +1,7 @@
 """A KV-eviction step's export hook: its policy's two graphs, to run beside the exported step.
 
     observe.onnx  inputs   queries     [L, B, H, n, D]   the accepted tokens' queries (rows of the step's
-                                                         `queries` output, backends.kv_io)
+                                                         `queries` output, backends.onnx.kv_io)
                            keys        [L, B, KV, S, D]  the cache after the commit (S = the budget)
                            first_slot  [] int64          the accepted tokens are in slots first_slot ..
                            positions   [n] int64         their rotary positions (Keyformer's noise)
@@ -14,7 +14,7 @@
 Both graphs are `ops.observed` / `ops.evicted`, the functions the PyTorch lowering's in-place
 eviction graphs run, so a policy keeps the same slots on ONNX Runtime as in PyTorch up to float
 rounding. They are exported for one row (B = 1); a runtime runs them on each row's slices
-(backends.onnx_eviction.OrtEviction). The manifest entry "eviction" names the files and the state's
+(backends.onnx.eviction.OrtEviction). The manifest entry "eviction" names the files and the state's
 shapes.
 """
 

@@ -20,7 +20,7 @@ zeroes the rest of the scores.
 
 The math of both is a pure function (`observed`, `evicted`: tensors in, new tensors out): the graphs
 here call it and copy its results into the step's buffers; the ONNX export exports it as it is
-(backends.onnx_eviction), so every lowering keeps the same slots.
+(backends.onnx.eviction), so every lowering keeps the same slots.
 """
 
 from __future__ import annotations

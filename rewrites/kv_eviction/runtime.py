@@ -2,7 +2,7 @@
 row's cache is evicted when its tokens fill it; each row has its own budget and its own policy state,
 so a row's tokens are the tokens that sequence has alone under the same policy. `GraphEviction` runs
 the step's own in-place graphs (PyTorch lowerings) on one row at a time (views of the row's cache and
-state); `backends.onnx_eviction.OrtEviction` runs the exported ones on ORT (one sequence)."""
+state); `backends.onnx.eviction.OrtEviction` runs the exported ones on ORT (one sequence)."""
 
 from __future__ import annotations
 

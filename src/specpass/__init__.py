@@ -6,7 +6,7 @@ and the torch.compile backend named "specpass".
 
 from specpass import drafters, rewrites
 from specpass.api import compile_program, generate, load_onnx
-from specpass.backends.generation import BatchGeneration, Generation, GenerationStats
+from specpass.backends.runtime.generation import BatchGeneration, Generation, GenerationStats
 from specpass.backends.options import CompileOptions
 from specpass.errors import (
     CacheCapacityError,

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specpass.backends.decode import generate as decode
-from specpass.backends.generation import BatchGeneration, Generation, check_rows, prompts_from
-from specpass.backends.program import DecodeProgram, program_for
+from specpass.backends.runtime.decode import generate as decode
+from specpass.backends.runtime.generation import BatchGeneration, Generation, check_rows, prompts_from
+from specpass.backends.runtime.program import DecodeProgram, program_for
 from specpass.backends.resolve import resolve
-from specpass.backends.sampling import Sampling, TargetChoice
+from specpass.backends.runtime.sampling import Sampling, TargetChoice
 from specpass.errors import InvalidParameterError
 from specpass.ir import arch_spec
 
@@ -54,13 +54,13 @@ def generate(
     or the defaults apply), or a program such as `load_onnx(...)`'s. eos_token_id defaults to the
     model's generation config. Greedy by default; do_sample=True samples after temperature, top_k,
     top_p and min_p (Hugging Face's warpers) with noise keyed by (seed, position), so the same seed
-    gives the same tokens with or without speculation (backends/sampling.py); drafts drawn from draft
+    gives the same tokens with or without speculation (backends/runtime/sampling.py); drafts drawn from draft
     laws (drafters.Heads(temperature=...)) are accepted by the multi-candidate rule instead, which
-    keeps the distribution but not the tokens, unless acceptance="match" (backends/multi_candidate.py).
+    keeps the distribution but not the tokens, unless acceptance="match" (backends/runtime/multi_candidate.py).
 
     A batch: input_ids [B, P] with attention_mask [B, P] (1: token, 0: padding, left or right), as in
     Hugging Face. Every row's tokens equal that row generated alone, sampled rows included: a row
-    samples exactly what its prompt samples alone with the same seed (backends/decode.py); the
+    samples exactly what its prompt samples alone with the same seed (backends/runtime/decode.py); the
     result is a `BatchGeneration`: `sequences` [B, P + N] (prompts left-padded, then new tokens, then
     pad_token_id, default the model's pad token, else its EOS) and per-row `stats`. seed: one for
     every row, or one per row (rows with the same prompt and seed give the same tokens).
@@ -90,6 +90,6 @@ def generate(
 
 def load_onnx(directory: str, **kwargs):
     """An ONNX Runtime program from a `specpass export` directory, for `generate` (see OrtProgram)."""
-    from specpass.backends.onnxrt import OrtProgram
+    from specpass.backends.onnx.program import OrtProgram
 
     return OrtProgram(directory, **kwargs)

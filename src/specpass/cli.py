@@ -102,7 +102,7 @@ def _onnxrt_runs(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     import specpass
-    from specpass.backends.ort import read_manifest
+    from specpass.backends.onnx.ort import read_manifest
     from specpass.drafters.registry import drafter_by_name
     from specpass.errors import InvalidParameterError
 
@@ -166,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from specpass.backends.sampling import Sampling
+    from specpass.backends.runtime.sampling import Sampling
     from specpass.drafters.registry import drafter_by_name
 
     Sampling(**_sampling(args))  # bad sampling flags are refused before any model loads
@@ -202,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from specpass.backends.onnx_export import DTYPES, export
+    from specpass.backends.onnx.export import DTYPES, export
     from specpass.models import load_model
 
     pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads; None: export fits the default

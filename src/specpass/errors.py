@@ -38,7 +38,7 @@ class UnsupportedSettingError(SpecpassError, ValueError):
 
 
 class StaleProgramError(SpecpassError):
-    """A program's model changed its weights after the program was built (backends.guard)."""
+    """A program's model changed its weights after the program was built (backends.runtime.guard)."""
 
 
 class DamagedFileError(SpecpassError):

@@ -13,7 +13,7 @@ the hook is not available. Sampling draws its noise from a seed: the hook's own
 `seed=` argument (`model.generate(..., seed=7, custom_generate=...)`), else one int drawn from
 torch's global generator, so `torch.manual_seed` makes a run reproducible. A padded batch
 (input_ids [B, P] with attention_mask, padding on either side) runs in specpass.generate's loop
-(backends/decode.py); the result is HF's layout (the input as given, each row's new tokens, then the
+(backends/runtime/decode.py); the result is HF's layout (the input as given, each row's new tokens, then the
 pad token). One seed rule for rows, as in specpass.generate: every row samples with the one seed, so a
 row samples exactly what its prompt samples alone (identical prompts give identical samples; give
 specpass.generate one seed per row for independent ones).
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from specpass.backends.decode import generate as decode
-from specpass.backends.generation import prompts_from, with_new_tokens
-from specpass.backends.sampling import Sampling, TargetChoice
+from specpass.backends.runtime.decode import generate as decode
+from specpass.backends.runtime.generation import prompts_from, with_new_tokens
+from specpass.backends.runtime.sampling import Sampling, TargetChoice
 from specpass.errors import UnsupportedSettingError
 
 # Settings HF's generate reads that change the output in ways a verify step does not implement.

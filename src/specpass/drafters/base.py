@@ -79,7 +79,7 @@ class Drafter(ABC):
     @property
     def draws(self) -> bool:
         """True when every candidate is drawn from a draft law (tree.Drawn): the decode loop then
-        accepts by the multi-candidate rule when it samples (backends.multi_candidate)."""
+        accepts by the multi-candidate rule when it samples (backends.runtime.multi_candidate)."""
         return False
 
     @abstractmethod

@@ -23,7 +23,7 @@ optimum needs a wider beam from 49 nodes on). Both compete with other drafters' 
 
 Drawn candidates (`temperature` set): each head's candidates are drawn without replacement from its
 softmax at that temperature (Gumbel-top-k, in draw order), and carry that law (tree.Drawn), so a
-sampling decode loop accepts them by the multi-candidate rule (backends.multi_candidate) instead of
+sampling decode loop accepts them by the multi-candidate rule (backends.runtime.multi_candidate) instead of
 sample-and-match. A draw is scored by the acceptance rate of its depth and rank (the static tree),
 made non-increasing in rank, so the tree keeps the first draws of every law and never decides on a
 draw by the token it turned out to be; the rule's losslessness rests on both. Medusa's nodes of one

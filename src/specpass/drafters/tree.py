@@ -81,7 +81,7 @@ class DraftLaw:
 class Drawn(NamedTuple):
     """A candidate drawn from `law` without replacement: the `rank`-th draw, the law's entry `index`.
 
-    The multi-candidate rule (backends.multi_candidate) relies on a node's children being the first
+    The multi-candidate rule (backends.runtime.multi_candidate) relies on a node's children being the first
     draws of one law in draw order, and on the builder deciding to keep a draw without looking at
     what was drawn: a drawn candidate's probability must not depend on its token (drafters.Heads
     scores draws by their rank)."""

@@ -197,7 +197,7 @@ def _specpass_runner(program):
 def _ort_program(device, drafter, max_nodes, export_dir):
     """The default model exported once (float32, TreeAttention(64)) into export_dir, run on ONNX Runtime."""
     import specpass
-    from specpass.backends.onnx_export import export
+    from specpass.backends.onnx.export import export
 
     if not os.path.exists(os.path.join(export_dir, "manifest.json")):
         model, tokenizer = specpass.load_default_model()  # a CPU copy: the check compares ORT CPU with it
@@ -316,11 +316,11 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
 def _cost_curves(model, device: torch.device, skipped: dict) -> tuple[dict, dict]:
     """The cost curve of each lowering, and which lowering `auto` runs at each tree size.
 
-    On a CPU `auto` measures eager and oneDNN and runs each size on the faster (backends.per_size):
+    On a CPU `auto` measures eager and oneDNN and runs each size on the faster (backends.lowering.per_size):
     its curve is their lower envelope. On a GPU: eager, the FX step in CUDA graphs, and the inductor step
     in CUDA graphs (what `auto` runs there)."""
     import specpass
-    from specpass.backends.per_size import FastestPerSize
+    from specpass.backends.lowering.per_size import FastestPerSize
 
     measured, kernels = {}, {}
     for lowering in ("eager", "cudagraphs", "inductor") if device.type == "cuda" else ("auto",):

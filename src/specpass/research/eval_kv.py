@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specpass.backends.decode import feed
-from specpass.backends.decode import generate as decode
-from specpass.backends.sequence import CacheCursor
+from specpass.backends.runtime.decode import feed
+from specpass.backends.runtime.decode import generate as decode
+from specpass.backends.runtime.sequence import CacheCursor
 from specpass.backends.options import CompileOptions
-from specpass.backends.program import SpeculativeProgram
+from specpass.backends.runtime.program import SpeculativeProgram
 from specpass.drafters.registry import drafter_by_name
 from specpass.research.long_context import library_sequences, passkey_prompt
 from specpass.passes import Pipeline
@@ -167,8 +167,8 @@ def _onnx(model, tokenizer, protocol: Protocol, rows: list[dict], out: list[dict
     """The full cache and each ONNX policy exported and run on ORT (CPU EP) over the perplexity text of
     `onnx_length` tokens: perplexity, continuation, cache bytes; the PyTorch row of the same policy
     and budget (measured now if the perplexity phase did not) gives the tokens to compare."""
-    from specpass.backends.onnx_export import export
-    from specpass.backends.onnxrt import OrtProgram
+    from specpass.backends.onnx.export import export
+    from specpass.backends.onnx.program import OrtProgram
 
     length, chunk = protocol.onnx_length, protocol.chunk
     ids = library_sequences(tokenizer, length, 1)[0]

@@ -13,7 +13,7 @@ short version of that, with the machinery the draft heads train with:
    (a prefill over a fresh cache: causal attention over the sequence's own tokens). The capture
    shares the model's parameters, so training changes the model in place, and every program compiled
    from it afterwards with the same ladder runs the recovered model (programs built before are
-   dropped: a lowered program keeps copies of some weights, backends.program.forget_programs).
+   dropped: a lowered program keeps copies of some weights, backends.runtime.program.forget_programs).
 3. Loss: KL(original || laddered) at every position over the teacher's top-32 tokens and one more
    outcome, "any other token" (`coarse_kl`), averaged over the sequences of an optimizer step; AdamW
    with a cosine schedule, fixed seed. The heads' loss (top-32 renormalised) suits a draft, which
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpass.backends.program import forget_programs
+from specpass.backends.runtime.program import forget_programs
 from specpass.errors import DamagedFileError, InvalidParameterError
 from specpass.heads.io import check_model, model_fingerprint, read_json
 from specpass.heads.train import Continuation, cosine_adamw, teacher

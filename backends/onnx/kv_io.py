@@ -21,7 +21,7 @@ Rewrite. In every layer the cache write and the read of slots [0, kv_len) become
 `cat(past[layer], new, dim=2)`; the step's attention mask becomes the slot layout's functional
 encoding, `ir.layout.past_and_tree_visibility(past_mask, tree_mask)`. In a KV-eviction step each layer's
 `record_queries` op (a write into the step's query store) becomes the queries' output; the policy's
-state and graphs leave the step (`backends.onnx_eviction` exports them beside it).
+state and graphs leave the step (`backends.onnx.eviction` exports them beside it).
 Everything else in the graph is untouched, so the logits of token t equal the cached step's logits
 when the cached step sees the same slots (tested). The runtime commits an accepted path by copying
 `new_keys[..., path, :]` into its cache: compaction without recompute, as in the PyTorch lowering.

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.derived_cache import DerivedCache
+from specpass.backends.lowering.derived_cache import DerivedCache
 from specpass.ir import copy_step, replace_node
 
 _PACKED: DerivedCache[torch.Tensor] = DerivedCache()  # weight -> its packed form

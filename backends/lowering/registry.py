@@ -2,7 +2,7 @@
 named `Lowering` of the `LOWERINGS` registry, which also states what the lowering can do (the devices it
 runs on, batches of rows, CUDA-graph replay). Today: eager FX, oneDNN (CPU), GGUF kernels (CPU),
 TorchInductor (replayed in CUDA graphs on CUDA) and CUDA graphs of the FX step; `auto` picks per device,
-and on a CPU runs several, each tree size on the one measured fastest (backends.per_size).
+and on a CPU runs several, each tree size on the one measured fastest (backends.lowering.per_size).
 
 Adding a lowering is one `Lowering` entry here: CompileOptions' list of names, the program's batch
 check and `auto`'s candidates are all read from the registry."""
@@ -16,11 +16,11 @@ from typing import Protocol
 import torch
 import torch.fx
 
-from specpass.backends import onednn
-from specpass.backends.eager import EagerStep
-from specpass.backends.fuse_projections import fuse_projections
-from specpass.backends.gguf_lowering import gguf_planes, pack_gguf_linears
-from specpass.backends.per_size import FastestPerSize
+from specpass.backends.lowering import onednn
+from specpass.backends.lowering.eager import EagerStep
+from specpass.backends.lowering.fuse_projections import fuse_projections
+from specpass.backends.lowering.gguf import gguf_planes, pack_gguf_linears
+from specpass.backends.lowering.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
 from specpass.ir.draft import draft_graph, resume_graph
 from specpass.ir.layout import RowsLayout
@@ -83,13 +83,13 @@ def _gguf(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
 
 
 def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
-    """q|k|v and gate|up as one GEMM each (fewer kernels, backends.fuse_projections); replayed in CUDA
+    """q|k|v and gate|up as one GEMM each (fewer kernels, backends.lowering.fuse_projections); replayed in CUDA
     graphs on CUDA."""
-    from specpass.backends.inductor import InductorStep
+    from specpass.backends.lowering.inductor import InductorStep
 
     if ctx.device.type != "cuda":
         return InductorStep(fuse_projections(gm))
-    from specpass.backends.cudagraphs import CudaGraphStep
+    from specpass.backends.lowering.cudagraphs import CudaGraphStep
 
     return CudaGraphStep(InductorStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
 
@@ -97,7 +97,7 @@ def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
 def _cudagraphs(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     if ctx.device.type != "cuda":
         raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {ctx.device}")
-    from specpass.backends.cudagraphs import CudaGraphStep
+    from specpass.backends.lowering.cudagraphs import CudaGraphStep
 
     return CudaGraphStep(EagerStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
 
@@ -118,8 +118,8 @@ AUTO = "auto"
 def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The lowerings to build, the last one the default. `auto` -> inductor on CUDA (the inductor-compiled
     step replayed in CUDA graphs); on a CPU that has oneDNN (float32) both eager and onednn, each call
-    running the one measured faster at its tree size (backends.per_size); else eager. `gguf` -> the GGUF
-    kernels (backends.gguf_lowering) beside the float32 kernel, each tree size on the faster one.
+    running the one measured faster at its tree size (backends.lowering.per_size); else eager. `gguf` -> the GGUF
+    kernels (backends.lowering.gguf) beside the float32 kernel, each tree size on the faster one.
 
     Why inductor on CUDA. A small model's GPU step is bound by kernel launches; inductor fuses each
     layer's pointwise work, so its replays beat the FX step's at every tree size measured (SmolLM2-135M

@@ -18,7 +18,7 @@ keeps a prefix of each node's draws (tree.Drawn). Applied at every node along th
 tokens follow the target's processed autoregressive distribution. A token with p > 0 and q = 0 can
 only come out of the residual; a child is tried at most once.
 
-Unlike sample-and-match with keyed noise (backends.sampling), the tokens are not those of
+Unlike sample-and-match with keyed noise (backends.runtime.sampling), the tokens are not those of
 non-speculative sampling with the same seed: the rule is proven by distribution tests
 (tests/test_multi_candidate.py). It accepts more: one drawn child is accepted with probability
 sum_v min(p, q)(v), against sum_v p(v) q(v) for sample-and-match. The tokens depend on the tree, so

@@ -36,7 +36,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.derived_cache import DerivedCache
+from specpass.backends.lowering.derived_cache import DerivedCache
 from specpass.ir import copy_step
 from specpass.ir.roles import META_KEY, NodeInfo, Role
 

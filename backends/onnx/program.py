@@ -9,21 +9,21 @@ After a verify step `commit` copies the accepted path's entries of `new_keys` / 
 consecutive slots: compaction without recompute, as in the PyTorch lowering. An export that evicts
 (rewrites.kv_eviction) has a fixed cache of the policy's `budget` slots: after each commit its
 observe.onnx scores the accepted tokens from the step's `queries` output, and its evict.onnx keeps
-the policy's slots when the cache is full (`backends.onnx_eviction`).
+the policy's slots when the cache is full (`backends.onnx.eviction`).
 
 Inputs and outputs are bound with IOBinding to torch tensors' memory: the KV cache never leaves the
 device and is never copied between steps. With `cuda_graphs=True` on the CUDA EP every input and
 output lives in a static buffer per (tree-size bucket, cache bucket), the tree padded by the
-PyTorch CUDA-graph lowering's own helper (`backends.buckets`), and ORT captures one CUDA graph per
+PyTorch CUDA-graph lowering's own helper (`backends.lowering.buckets`), and ORT captures one CUDA graph per
 bucket (`gpu_graph_id`).
 
-Batches (`rows` > 1; one sequence is a batch of one, backends.decode). The export takes B as a dynamic axis; row b of the cache
+Batches (`rows` > 1; one sequence is a batch of one, backends.runtime.decode). The export takes B as a dynamic axis; row b of the cache
 buffers is sequence b, laid out as alone (per-row offsets, as in the PyTorch lowering), and each row
 commits its own path. The buffers hold exactly the live rows, so IOBinding binds them as they are:
 when rows finish, `keep_rows` gathers the live ones into new, smaller buffers (once per finishing
 row, not per step), and the next batch's prefill allocates `rows` rows again. Not with
 `cuda_graphs=True` (its buckets are one row): refused for rows > 1. An evicting export runs its
-one-row policy graphs on each row's slices (backends.onnx_eviction).
+one-row policy graphs on each row's slices (backends.onnx.eviction).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from collections.abc import Sequence
 
 import torch
 
-from specpass.backends.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
-from specpass.backends.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
-from specpass.backends.onnx_draft import OrtDraft
-from specpass.backends.onnx_eviction import OrtEviction
-from specpass.backends.ort import bind, ort_session, read_manifest, run_binding, run_bound
-from specpass.backends.program import DecodeProgram
+from specpass.backends.lowering.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
+from specpass.backends.onnx.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
+from specpass.backends.onnx.draft import OrtDraft
+from specpass.backends.onnx.eviction import OrtEviction
+from specpass.backends.onnx.ort import bind, ort_session, read_manifest, run_binding, run_bound
+from specpass.backends.runtime.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
 from specpass.ir.layout import RowsLayout, SlotLayout
@@ -134,7 +134,7 @@ class OrtProgram(DecodeProgram):
             setattr(self, name, new)
 
     def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: SlotLayout) -> dict:
-        """The functional step's inputs (backends.kv_io) for input_ids / positions [1, T] laid out by `layout`."""
+        """The functional step's inputs (backends.onnx.kv_io) for input_ids / positions [1, T] laid out by `layout`."""
         return {
             "input_ids": input_ids, "positions": positions, "past_keys": self.keys, "past_values": self.values,
             "past_mask": layout.prefix_mask(self.keys.shape[3])[None], "tree_mask": layout.ancestors[None],
@@ -199,7 +199,7 @@ class OrtProgram(DecodeProgram):
         return outputs
 
     def _run_graph(self, input_ids: torch.Tensor, layout: SlotLayout) -> dict[str, torch.Tensor]:
-        """CUDA-graph path: pad the step to its tree bucket (backends.buckets), copy into the bucket's
+        """CUDA-graph path: pad the step to its tree bucket (backends.lowering.buckets), copy into the bucket's
         static buffers, replay, and return views of the real nodes' outputs."""
         import onnxruntime as ort
 

@@ -21,7 +21,7 @@ buffers (in-place writes into the step's own `k_cache` / `v_cache`); its outputs
 step's only by float rounding (reductions fused in another order). One compile serves every tree
 size and attended length (`dynamic=True`: T and kv_len are symbolic; T = 1 gets its own
 specialisation, which the CUDA-graph lowering never asks for: its smallest bucket is two tokens),
-so a bucketed CUDA-graph replay (backends.cudagraphs) captures it per bucket without recompiling.
+so a bucketed CUDA-graph replay (backends.lowering.cudagraphs) captures it per bucket without recompiling.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import operator
 import torch
 import torch.fx
 
-from specpass.backends.eager import EagerStep
+from specpass.backends.lowering.eager import EagerStep
 from specpass.ir import copy_step
 from specpass.ir.query import cache_writes
 

@@ -1,7 +1,7 @@
 """`specpass export`: the rewritten decode step as an ONNX model, checked with onnx.checker and on ORT.
 
 Pipeline: capture -> the pipeline's passes (verified after each) -> KV as inputs/outputs
-(`backends.kv_io`) -> `torch.onnx.export(..., dynamo=True)` -> save -> checks.
+(`backends.onnx.kv_io`) -> `torch.onnx.export(..., dynamo=True)` -> save -> checks.
 
 Why the dynamo exporter: it exports from `torch.export`'s graph of the very FX module the passes
 produced, so the ONNX graph is the rewritten step itself (tree mask inputs, KV outputs, draft
@@ -12,7 +12,7 @@ model (2-core EPYC) the optimizer doubled the export (113.6 s against 57.5) for 
 (T = 1: 35.8 against 36.3 ms; T = 64: 191.7 against 179.5 ms).
 
 Output directory: model.onnx (+ model.onnx.data when the weights are stored externally),
-draft.onnx when the pipeline adds draft heads (`backends.onnx_draft`), the files a pass's export hook
+draft.onnx when the pipeline adds draft heads (`backends.onnx.draft`), the files a pass's export hook
 adds (passes.export: KV eviction's observe.onnx and evict.onnx), pipeline.json, manifest.json
 (inputs, outputs, shapes, meaning, the check's result) and the tokenizer's files when a tokenizer
 is given. Everything is written to a hidden folder beside the output and renamed into place once
@@ -35,9 +35,9 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
-from specpass.backends.onnx_draft import export_draft
-from specpass.backends.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, ort_session
+from specpass.backends.onnx.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
+from specpass.backends.onnx.draft import export_draft
+from specpass.backends.onnx.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, ort_session
 from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
 from specpass.passes import Pass, Pipeline

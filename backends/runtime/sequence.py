@@ -1,6 +1,6 @@
 """One sequence in the decode loop: its tokens, cache cursor, drafter sessions, target choice and counts.
 
-The loop (backends.decode) drives one `SequenceState` per row: drafting, acceptance and emission are a
+The loop (backends.runtime.decode) drives one `SequenceState` per row: drafting, acceptance and emission are a
 row's own; only the forward and the commit are the batch's.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specpass.backends.generation import GenerationStats
-from specpass.backends.multi_candidate import accept_drawn, node_laws
-from specpass.backends.program import DecodeProgram
-from specpass.backends.sampling import TargetChoice
+from specpass.backends.runtime.generation import GenerationStats
+from specpass.backends.runtime.multi_candidate import accept_drawn, node_laws
+from specpass.backends.runtime.program import DecodeProgram
+from specpass.backends.runtime.sampling import TargetChoice
 from specpass.drafters import Drafting, DraftTree, TargetForward, accept_greedy
 from specpass.ir.layout import SlotLayout
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
-from specpass.backends.cost import CostCurve
+from specpass.backends.runtime.cost import CostCurve
 from specpass.ir.layout import SlotLayout
 
 

@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from specpass.backends.generation import BatchGeneration, check_rows, padded_sequences
-from specpass.backends.guard import one_generation_at_a_time
-from specpass.backends.program import DecodeProgram
-from specpass.backends.sampling import TargetChoice
-from specpass.backends.sequence import CacheCursor, SequenceState
+from specpass.backends.runtime.generation import BatchGeneration, check_rows, padded_sequences
+from specpass.backends.runtime.guard import one_generation_at_a_time
+from specpass.backends.runtime.program import DecodeProgram
+from specpass.backends.runtime.sampling import TargetChoice
+from specpass.backends.runtime.sequence import CacheCursor, SequenceState
 from specpass.drafters import DraftTree, expected_tokens
 from specpass.errors import InvalidParameterError
 from specpass.ir.layout import RowsLayout
@@ -56,10 +56,10 @@ def generate(
     """Speculative decoding of `prompts` (token lists, one per row; at most program.rows) in one batch,
     with the program's drafter (and its memory).
 
-    choices: each row's target choice after each token (default plain greedy; see backends.sampling):
+    choices: each row's target choice after each token (default plain greedy; see backends.runtime.sampling):
     a row's output equals non-speculative decoding with the same choice; when it samples and the
     drafter draws its drafts from draft laws (Drafter.draws), they are accepted by the multi-candidate
-    rule (backends.multi_candidate), whose output follows the same distribution. stop: called with a
+    rule (backends.runtime.multi_candidate), whose output follows the same distribution. stop: called with a
     row's sequence after every emitted token, in order; True ends that row after that token (finish
     reason "stop"). pad_token_id fills `sequences` (default: the model's, else its first EOS id, else
     0). streamer (one row): Hugging Face's streamer interface, `put` the prompt [1, P], then each

@@ -1,7 +1,7 @@
 """Programs the decode loop drives: a verify forward over a token tree, KV commit, a drafter and its memory.
 
 `SpeculativeProgram` is the captured, rewritten and lowered PyTorch step of one model with its static
-KV cache; `backends.onnxrt.OrtProgram` is the same step exported to ONNX and run on ONNX Runtime.
+KV cache; `backends.onnx.program.OrtProgram` is the same step exported to ONNX and run on ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specpass.backends import cost
+from specpass.backends.runtime import cost
 from specpass.backends.compile import specpass_backend
-from specpass.backends.guard import ProgramGuard
-from specpass.backends.kv import compact, keep_rows
-from specpass.backends.lowering import LOWERINGS
+from specpass.backends.runtime.guard import ProgramGuard
+from specpass.backends.runtime.kv import compact, keep_rows
+from specpass.backends.lowering.registry import LOWERINGS
 from specpass.backends.options import CompileOptions, check_budget
-from specpass.backends.per_size import FastestPerSize
+from specpass.backends.lowering.per_size import FastestPerSize
 from specpass.drafters import Drafter
 from specpass.errors import InvalidParameterError
 from specpass.passes.runtime import RuntimeHook
@@ -67,7 +67,7 @@ class DecodeProgram(ABC):
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), verifies_trees (False:
     draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), rows (sequences
     its cache holds), and implement `forward`, `compact`, `keep_rows` and `kv_buffers`. Every call is
-    over rows: one sequence is a batch of one (backends.decode). A rewrite's runtime half is one of the program's `hooks`
+    over rows: one sequence is a batch of one (backends.runtime.decode). A rewrite's runtime half is one of the program's `hooks`
     (passes.runtime.RuntimeHook: an eviction's scoring after each commit, tensor parallelism's
     lockstep), composed here so the loop never asks which rewrites ran.
     budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
@@ -86,7 +86,7 @@ class DecodeProgram(ABC):
         self.budget = budget  # "cost", or a fixed number of tree nodes per step
         self.drafter_memory = drafter.new_memory()
         self._cost: cost.CostCurve | None = None
-        self.guard = ProgramGuard()  # one generation at a time (backends.guard)
+        self.guard = ProgramGuard()  # one generation at a time (backends.runtime.guard)
 
     rows = 1  # sequences the program's cache holds (row b of a batch in cache row b)
     pad_token_id: int | None = None  # the model's pad token, when it has one (a batch's output padding)
@@ -217,7 +217,7 @@ class SpeculativeProgram(DecodeProgram):
     rows: how many sequences its cache holds. A program of several rows verifies every row's tree in
     one forward, commits each row's path in its own cache row and measures its cost curve on forwards
     of all its rows, T tokens each. Several rows run on the eager, oneDNN, inductor and CUDA-graph
-    lowerings (the replayed graphs are bucketed by rows too, backends.cudagraphs), with every drafter
+    lowerings (the replayed graphs are bucketed by rows too, backends.lowering.cudagraphs), with every drafter
     (a cache-sharing draft graph drafts each row in its own cache row: `drafting_row`), with KV
     eviction (each row its own budget and policy state) and with tensor parallelism; not with the
     GGUF kernels: refused with the reason.
@@ -333,7 +333,7 @@ _BUILDING = threading.Lock()  # one thread builds or looks up programs at a time
 
 def program_for(model: nn.Module, options: CompileOptions, rows: int = 1) -> SpeculativeProgram:
     """The program of (model, options) with a cache of `rows` sequences, built once and reused while
-    the model lives and its weights stay the ones it was built from (backends.guard); after a weight
+    the model lives and its weights stay the ones it was built from (backends.runtime.guard); after a weight
     change every program of the model is dropped and this one is built again."""
     with _BUILDING:
         programs = _PROGRAMS.setdefault(model, {})

@@ -11,7 +11,7 @@ from specpass.ir.layout import RowsLayout, SlotLayout
 class EagerStep:
     """Runs a GraphModule directly: the rewritten step itself (`eager`, the reference) or its oneDNN lowering.
 
-    The `backends.lowering.Step` contract: `step(input_ids [B, T], layout)` (an ir.layout.RowsLayout,
+    The `backends.lowering.registry.Step` contract: `step(input_ids [B, T], layout)` (an ir.layout.RowsLayout,
     or a SlotLayout for every row) returns the graph's outputs (logits [B, T, V], hidden [B, T, H],
     ...); `run_graph` takes the graph's inputs by name (a draft graph is called that way, with its
     DraftGraphSpec's inputs).

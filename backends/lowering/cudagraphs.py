@@ -7,7 +7,7 @@ padded key columns are hidden by the mask, so the real nodes' logits equal the e
 come from the step's slot layout, built on the host: nothing is read back from the device.
 
 Buckets. T rounds up to a power of two, the attended length to a multiple of KV_BUCKET
-(backends.buckets), and the rows of a step (backends.decode) to a power of two capped at
+(backends.lowering.buckets), and the rows of a step (backends.runtime.decode) to a power of two capped at
 the rows the cache holds: a batch whose rows finish one by one replays at most log2(B) + 1 row
 buckets instead of capturing one graph per live-row count. A one-sequence program's steps are one
 row, as before.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from specpass.backends.buckets import kv_bucket, tree_bucket
+from specpass.backends.lowering.buckets import kv_bucket, tree_bucket
 from specpass.ir.layout import RowsLayout, SlotLayout
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from specpass.backends.ort import ort_session, run_bound
+from specpass.backends.onnx.ort import ort_session, run_bound
 from specpass.rewrites.kv_eviction import KVEviction
 from specpass.rewrites.kv_eviction.export import state_names
 from specpass.rewrites.kv_eviction.runtime import Eviction
@@ -27,7 +27,7 @@ class OrtEviction(Eviction):
     contiguous tensors for the binding, and the results copied back), with its own state row."""
 
     def __init__(self, program, directory: str, entry: dict, policy: KVEviction):
-        self.program = program  # backends.onnxrt.OrtProgram: keys, values [L, B, KV, budget, D], queries
+        self.program = program  # backends.onnx.program.OrtProgram: keys, values [L, B, KV, budget, D], queries
         self.policy = policy
         self.device = program.device
         observe = entry["observe"]

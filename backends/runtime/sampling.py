@@ -13,7 +13,7 @@ depth predict the same position, they share one noise vector, and the tokens the
 along the accepted path are exactly the tokens non-speculative sampling with the same seed picks.
 Acceptance is then sample-and-match: descend to the child equal to the target's choice (the lossless
 rule for drafts without draft probabilities). Drafts drawn from a known draft law (drafters.Heads with
-a temperature) are accepted by the multi-candidate rule instead (backends.multi_candidate), which
+a temperature) are accepted by the multi-candidate rule instead (backends.runtime.multi_candidate), which
 accepts more but emits tokens of its own: `Sampling.acceptance="match"` keeps sample-and-match for
 them too, and with it the equality to non-speculative sampling.
 

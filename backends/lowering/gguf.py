@@ -5,7 +5,7 @@ GGUF file's 4-bit blocks are about 75 MB: at a handful of tokens a decode step i
 bytes, so reading the blocks is what lets a CPU decode as fast as llama.cpp on the same file.
 
 Rewrite. A copy of the graph in which each `call_module` of an `nn.Linear` whose blocks matched
-(backends.gguf_blocks) becomes `gguf_linear(x, planes, bias)`, running PyTorch's int4 weight-only
+(backends.lowering.gguf_blocks) becomes `gguf_linear(x, planes, bias)`, running PyTorch's int4 weight-only
 CPU kernel (`aten._weight_int4pack_mm_for_cpu`, groups of 32 inputs, the kernel's weight being
 (code - 8) * scale + zero) on bfloat16 activations (its float16 path is a slow reference, 15-40x slower):
 
@@ -30,7 +30,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.gguf_blocks import BLOCK, BlockWeight, match_blocks
+from specpass.backends.lowering.gguf_blocks import BLOCK, BlockWeight, match_blocks
 from specpass.errors import InvalidParameterError
 from specpass.ir import arch_of, copy_step, replace_node
 from specpass.ir.capture import GGUF_META
@@ -86,7 +86,7 @@ def gguf_source(gm: torch.fx.GraphModule) -> str:
 
 def gguf_planes(gm: torch.fx.GraphModule) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
     """id(weight) -> packed planes for every linear of the verify step `gm` whose GGUF blocks matched
-    (backends.gguf_blocks); a clear error where the lowering cannot run at all."""
+    (backends.lowering.gguf_blocks); a clear error where the lowering cannot run at all."""
     device, dtype = gm.k_cache.device, gm.k_cache.dtype
     if not available(device, dtype):
         raise InvalidParameterError(f"lowering 'gguf' needs a float32 model on a CPU; the model is {dtype} on {device}")

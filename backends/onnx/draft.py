@@ -14,7 +14,7 @@ import os
 import torch
 import torch.fx
 
-from specpass.backends.ort import TOLERANCE, ort_session, run_bound
+from specpass.backends.onnx.ort import TOLERANCE, ort_session, run_bound
 from specpass.errors import ExportError
 from specpass.ir.draft import ROWS, DraftGraphSpec, sample_inputs
 from specpass.passes import pass_type

@@ -1,0 +1,1 @@
+"""Lowerings: the registry (`registry.LOWERINGS`, the `Step` contract) and one module per way a rewritten step runs."""
