@@ -8,21 +8,26 @@ summaries [0:], chat template; every row the same prompts, the same thread count
   specpass_float32          specpass's default (combined tree, cost budget, `auto` float32 lowering)
   specpass_gguf             the same drafter and budget on lowering="gguf" (backends/lowering/gguf.py)
   specpass_gguf_one_token   lowering="gguf" without speculation (budget 1)
-  llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty)
-  llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens)
+  llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty), in a
+                            process of its own (benchmarks/llama_cpp_worker.py)
+  llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens), the same process
 Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
 first token; HF: not measured), tau where known, outputs identical to HF float32 greedy, and at each
 first divergence the reference's top-2 logit gap, `near_tie` when it is within NEAR_TIE_LOGITS (the
 gguf lowering's rounding: backends/lowering/gguf.py). `specpass_gguf` is also compared with
 `specpass_gguf_one_token` (`identical_to_one_token`: speculation on the gguf lowering against that
 lowering's own one-token greedy; a divergence there, too, must be a near-tie of the float32 logits).
-Writes gguf-cpu-<device>.json.
+Also the one-token step of each lowering (milliseconds after 256 committed tokens, median) beside
+llama.cpp's decode time per token (its own eval timing, prefill excluded), the CPU's model and flags,
+and llama.cpp's build (its system info). Writes gguf-cpu-<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -35,33 +40,61 @@ from specpass.research.bench import CODE_OFFSET, evaluation_sets, run_identity, 
 from specpass.models import GGUF_FILE, default_model_dir
 
 
-def _llama(threads: int, prompt_lookup: bool):
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+class LlamaCppProcess:
+    """llama.cpp in its own process (benchmarks/llama_cpp_worker.py), asked one prompt at a time, so its
+    rows take turns with the torch rows on every prompt while never sharing the cores with them."""
 
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if prompt_lookup else None
-    # n_batch = n_ctx: with a drafter llama-cpp-python keeps logits for every evaluated token in n_batch
-    # rows, and a prompt past n_batch tokens overflowed them (ValueError in Llama.eval)
-    return Llama(model_path=os.path.join(default_model_dir(), GGUF_FILE), n_ctx=4096, n_batch=4096,
-                 n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False, seed=0)  # fmt: skip
+    def __init__(self, threads: int):
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_worker.py")
+        path = os.path.join(default_model_dir(), GGUF_FILE)
+        self.process = subprocess.Popen([sys.executable, worker, path, str(threads)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.info = json.loads(self.process.stdout.readline())  # {"ready", "system_info", "version"}
+        self.decode_ms: dict[bool, list[float]] = {False: [], True: []}  # per prompt: llama.cpp's own timing
+
+    def ask(self, ids: list[int], max_new_tokens: int, eos: set[int], prompt_lookup: bool) -> dict:
+        request = {"ids": ids, "max_new_tokens": max_new_tokens, "eos": sorted(eos), "prompt_lookup": prompt_lookup}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def runner(self, eos: set[int], prompt_lookup: bool):
+        def run(ids: torch.Tensor, max_new_tokens: int):
+            out = self.ask(ids[0].tolist(), max_new_tokens, eos, prompt_lookup)
+            self.decode_ms[prompt_lookup].append(out["decode_ms_per_token"])
+            sequence = torch.cat([ids, torch.tensor([out["new"]], dtype=ids.dtype)], dim=1)
+            return sequence, len(out["new"]), None, out["seconds"], out["first_token_seconds"]
+
+        return run
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
 
 
-def _llama_runner(llm, eos: set[int]):
-    def run(ids: torch.Tensor, max_new_tokens: int):
-        llm.reset()  # no reuse of an earlier prompt's cache
-        new: list[int] = []
-        t0 = time.perf_counter()
-        first = None
-        for token in llm.generate(ids[0].tolist(), temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-            first = first or time.perf_counter()
-            new.append(token)  # an EOS too, as HF's and specpass's outputs hold it (and count it)
-            if token in eos or len(new) == max_new_tokens:
-                break
-        seconds = time.perf_counter() - t0
-        sequence = torch.cat([ids, torch.tensor([new], dtype=ids.dtype)], dim=1)
-        return sequence, len(new), None, seconds, (first or t0) - t0
+def one_token_step_ms(program, context: int = 256, repeats: int = 30) -> float:
+    """Median milliseconds of the program's one-token verify step after `context` committed tokens
+    (DecodeProgram.measured_forward: a forward as the loop runs it, nothing committed)."""
+    from specpass.ir import SlotLayout
 
-    return run
+    token = torch.tensor([1])
+    times = []
+    for _ in range(repeats + 3):
+        started = time.perf_counter()
+        program.measured_forward(token, SlotLayout.chain(context, 1))
+        times.append(time.perf_counter() - started)
+    return round(1e3 * sorted(times[3:])[repeats // 2], 2)
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector and matrix extensions (what llama.cpp's and oneDNN's kernels can use)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return []
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+    return [f for f in wanted if f in flags]
 
 
 def _specpass_runner(program):
@@ -103,16 +136,20 @@ def _divergence_gap(model, sequence: torch.Tensor, reference: torch.Tensor) -> d
 
 def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -> dict:
     torch.set_num_threads(threads)
+    llama = LlamaCppProcess(threads)  # before the model loads: its own process, its own threads
     model, tokenizer = specpass.load_default_model()
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])  # fmt: skip
+    programs = {
+        "specpass_float32": specpass.compile_program(model),
+        "specpass_gguf": specpass.compile_program(model, {"lowering": "gguf"}),
+        "specpass_gguf_one_token": specpass.compile_program(model, {"lowering": "gguf", "budget": 1}),
+    }
     runners = {
         "hf_greedy": _hf_runner(model),
-        "specpass_float32": _specpass_runner(specpass.compile_program(model)),
-        "specpass_gguf": _specpass_runner(specpass.compile_program(model, {"lowering": "gguf"})),
-        "specpass_gguf_one_token": _specpass_runner(specpass.compile_program(model, {"lowering": "gguf", "budget": 1})),
-        "llama_cpp": _llama_runner(_llama(threads, prompt_lookup=False), eos),
-        "llama_cpp_prompt_lookup": _llama_runner(_llama(threads, prompt_lookup=True), eos),
+        **{name: _specpass_runner(program) for name, program in programs.items()},
+        "llama_cpp": llama.runner(eos, prompt_lookup=False),
+        "llama_cpp_prompt_lookup": llama.runner(eos, prompt_lookup=True),
     }
     sets = {
         "code": [P.encode_code(tokenizer, p) for p in P.code_prompts(prompts_per_set, CODE_OFFSET)],
@@ -177,9 +214,21 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
         gguf = results[set_name]["specpass_gguf"]
         print(f"{set_name:5s} specpass_gguf identical to its one-token greedy {gguf['identical_to_one_token']}, "
               f"divergences {gguf['divergences_from_one_token']}", flush=True)
+    steps = {"eager": one_token_step_ms(specpass.compile_program(model, {"lowering": "eager", "budget": 1})),
+             "auto (float32)": one_token_step_ms(programs["specpass_float32"]),
+             "gguf": one_token_step_ms(programs["specpass_gguf_one_token"])}  # fmt: skip
+    llama_decode = sorted(llama.decode_ms[False])
+    steps["llama_cpp decode (its own eval timing, prefill excluded; median over prompts)"] = round(
+        llama_decode[len(llama_decode) // 2], 2)
+    llama.close()
+    print("one-token step, ms:", steps, flush=True)
     report = {
         **run_identity(torch.device("cpu")),
+        "cpu_flags": cpu_flags(),
+        "llama_cpp": {"version": llama.info["version"], "system_info": llama.info["system_info"],
+                      "process": "its own (benchmarks/llama_cpp_worker.py), prompts taking turns with the torch rows"},
         **evaluation_sets(prompts_per_set, max_new_tokens),
+        "one_token_step_ms": steps,
         "results": results,
     }
     path = write_report(report, out_dir, prefix="gguf-")

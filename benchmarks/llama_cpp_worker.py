@@ -1,0 +1,68 @@
+"""llama.cpp in a process of its own, for benchmarks/gguf_cpu.py: its OpenMP threads and torch's never share
+the cores, and it never runs inside the torch process (an 11-26 run that did so halved HF's speed).
+
+    python benchmarks/llama_cpp_worker.py GGUF_PATH THREADS
+
+Reads one JSON request a line on stdin: {"ids": [...], "max_new_tokens": N, "eos": [...], "prompt_lookup": bool};
+writes one JSON line a request: {"new": [...], "seconds", "first_token_seconds", "decode_ms_per_token",
+"decoded_tokens"} where the last two are llama.cpp's own eval timing (llama_perf_context: decode
+evaluations only, prefill excluded). Greedy: temp 0, top_k 1, no repeat penalty. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _models(path: str, threads: int) -> dict:
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    def make(prompt_lookup: bool):
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if prompt_lookup else None
+        # n_batch = n_ctx: with a drafter llama-cpp-python keeps logits for every evaluated token in n_batch
+        # rows, and a prompt past n_batch tokens overflowed them (ValueError in Llama.eval)
+        return Llama(model_path=path, n_ctx=4096, n_batch=4096, n_threads=threads, n_threads_batch=threads,
+                     draft_model=draft, verbose=False, seed=0)  # fmt: skip
+
+    return {False: make(False), True: make(True)}
+
+
+def generate(llm, ids: list[int], max_new_tokens: int, eos: set[int]) -> dict:
+    import llama_cpp
+
+    llm.reset()  # no reuse of an earlier prompt's cache
+    llama_cpp.llama_perf_context_reset(llm.ctx)
+    new: list[int] = []
+    started = time.perf_counter()
+    first = None
+    for token in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        first = first or time.perf_counter()
+        new.append(token)  # an EOS too, as HF's and specpass's outputs hold it (and count it)
+        if token in eos or len(new) == max_new_tokens:
+            break
+    seconds = time.perf_counter() - started
+    perf = llama_cpp.llama_perf_context(llm.ctx)
+    return {"new": new, "seconds": seconds, "first_token_seconds": (first or started) - started,
+            "decoded_tokens": perf.n_eval, "decode_ms_per_token": perf.t_eval_ms / max(perf.n_eval, 1)}  # fmt: skip
+
+
+def main() -> int:
+    import llama_cpp
+
+    path, threads = sys.argv[1], int(sys.argv[2])
+    models = _models(path, threads)
+    print(json.dumps({"ready": True, "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+                      "version": llama_cpp.__version__}), flush=True)  # fmt: skip
+    for line in sys.stdin:
+        request = json.loads(line)
+        llm = models[bool(request.get("prompt_lookup", False))]
+        result = generate(llm, request["ids"], request["max_new_tokens"], set(request["eos"]))
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
