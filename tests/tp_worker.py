@@ -1,20 +1,26 @@
-"""Run by tests/test_tensor_parallel.py under `torchrun --nproc-per-node W` (gloo, CPU).
+"""Run by tests/test_tensor_parallel.py under `torchrun --nproc-per-node 3` (gloo, CPU), once for both
+workloads: the batch on all 3 ranks, then the 2-process checks on ranks 0 and 1 (a new world of 2).
 
-Each rank shards tiny models and checks against the same model unsharded, in the same process: logits
-of a prefill, a one-token decode step and a tree verification (allclose: rtol 1e-5, atol 1e-5), for the
-plain and the laddered model; then
-speculative greedy decoding under TP token for token (every
-step's accepted path is compared across ranks inside the program) against HF greedy for the plain
-model and single-process one-node greedy for the laddered one (HF cannot run it). Prints one OK line
-per check. (The default model over 3 processes: the README's torchrun command, in the test file.)
+`batch`: a batch of prompts of different lengths under TP, each row against HF greedy of that prompt
+alone, with the cost budget (rank 0's curve and sizes).
 
-`tp_worker.py batch` (3 processes): a batch of prompts of different lengths under TP, each row
-against HF greedy of that prompt alone, with the cost budget (rank 0's curve and sizes).
+`shard` (2 processes): each rank shards tiny models and checks against the same model unsharded, in
+the same process: logits of a prefill, a one-token decode step and a tree verification (allclose:
+rtol 1e-5, atol 1e-5), for the plain and the laddered model; then speculative greedy decoding under TP
+token for token (every step's accepted path is compared across ranks inside the program) against HF
+greedy for the plain model and single-process one-node greedy for the laddered one (HF cannot run
+it). Prints one OK line per check. (The default model over 3 processes: the README's torchrun
+command, in the test file.)
+
+A workload that fails prints its traceback (`rank R batch failed:`) and the other still runs: each test
+reads its own workload's lines (a rank exiting non-zero would make torchrun stop the others). A
+collective that some ranks never reach fails after 3 minutes instead of hanging.
 """
 
 from __future__ import annotations
 
-import sys
+import datetime
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -24,6 +30,8 @@ from specpass.drafters import DraftTree
 from specpass.ir import SlotLayout, capture
 from specpass.rewrites import LadderResidual, TensorParallel, TreeAttention
 from specpass.research.tiny_models import tiny_model
+
+TIMEOUT = datetime.timedelta(minutes=3)
 
 
 def _steps(gm) -> list[torch.Tensor]:
@@ -119,21 +127,48 @@ def batch() -> None:
           f"alone (largest tau {tau:.2f})", flush=True)  # fmt: skip
 
 
-def main(argv: list[str]) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    if argv == ["batch"]:
-        batch()
-        dist.destroy_process_group()
-        return
+def shard() -> None:
+    """The 2-process checks: the refusals, then three families plain and laddered."""
     refusals()
     for arch in ("llama", "qwen2", "mistral"):
         model = tiny_model(arch)
         cases = [torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(s)) for s in (4, 5)]
         for ladder in (LadderResidual(), LadderResidual((0, 1)), LadderResidual((1,))):
             check(model, ladder, arch, 30, cases, atol=1e-5)
+
+
+def _run(workload) -> bool:
+    """Run one workload; on an error print it (the tests read the output) and go on."""
+    try:
+        workload()
+        return True
+    except Exception:
+        print(f"rank {dist.get_rank()} {workload.__name__} failed:\n{traceback.format_exc()}", flush=True)
+        return False
+
+
+def _two_of_three() -> bool:
+    """Leave the world of 3 for a world of ranks 0 and 1 (a fresh store that rank 0 hosts); True on those."""
+    rank = dist.get_rank()
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=TIMEOUT, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store else None]
+    dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
+    if rank > 1:
+        return False
+    store = store or dist.TCPStore("127.0.0.1", port[0], 2, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=TIMEOUT)
+    return True
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    torch.set_num_threads(1)
+    _run(batch)
+    if _two_of_three():
+        _run(shard)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
