@@ -422,16 +422,39 @@ def test_a_batch_evicts_each_row_as_that_row_alone_on_the_default_model(default_
 # ---- ONNX: the policy's graphs exported beside the step, run on ORT ----------------------------
 
 
+@pytest.fixture(scope="module")
+def translate_once():
+    """`torch.onnx.export` of the step, once per graph: every policy's step is the same graph (it records
+    its queries whatever the policy keeps) over the same weights, so the six exports share its ONNX
+    translation (12 s each) and differ in what `export` still does per policy: the passes, the policy's
+    graphs, the ORT checks, the manifest."""
+    from specpass.backends.onnx import export
+
+    translate, translated = export._torch_export, []
+
+    def once(step, arch, dtype):
+        code, state = (step.graph.python_code("self").src, arch, dtype, export.output_names(step)), step.state_dict()
+        for seen, weights, program in translated:
+            if seen == code and weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state):
+                return program
+        translated.append((code, {k: t.clone() for k, t in state.items()}, translate(step, arch, dtype)))
+        return translated[-1][2]
+
+    return once
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("cls", POLICIES)
-def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path):
+def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path, translate_once, monkeypatch):
     """The exported step outputs its queries; observe.onnx / evict.onnx run the policy on ORT: speculative
     decoding over the ORT program gives the PyTorch program's tokens, in a cache of `budget` slots, and
     the export's cache size is its budget."""
     import onnx
 
+    from specpass.backends.onnx import export as onnx_export
     from specpass.backends.onnx.export import export
 
+    monkeypatch.setattr(onnx_export, "_torch_export", translate_once)
     model = tiny_model()
     policy = _policy(cls, 32, 8)
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(12))
