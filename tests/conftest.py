@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import threading
@@ -161,6 +162,35 @@ def check_default_model_greedy(model, cases, options: dict, min_tau: float) -> N
     assert stopped.stats.finish_reason == "eos"
     short = specpass.generate(model, ids, max_new_tokens=7, options=options)
     assert short.sequences[0, ids.shape[1]:].tolist() == continuation[:7] and short.stats.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def step_translations() -> list:
+    """The steps this module's exports translated to ONNX, with their programs (see `translated_once`)."""
+    return []
+
+
+@contextlib.contextmanager
+def translated_once(translations: list):
+    """Inside, `export` runs torch.onnx.export on a step (~10 s for a tiny model) only when `translations`
+    holds no step of the same code, outputs, dtype and weights, and otherwise reuses that step's ONNX
+    program; the rest of an export (the passes, the passes' own graphs, saving, the ORT checks, the
+    manifest) it still does itself."""
+    from specpass.backends.onnx import export
+
+    translate = export._torch_export
+
+    def once(step, arch, dtype):
+        key, state = (step.graph.python_code("self").src, arch, dtype, export.output_names(step)), step.state_dict()
+        for seen, weights, program in translations:
+            if seen == key and weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state):
+                return program
+        translations.append((key, {k: t.clone() for k, t in state.items()}, translate(step, arch, dtype)))
+        return translations[-1][2]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export, "_torch_export", once)
+        yield
 
 
 @pytest.fixture(scope="session")

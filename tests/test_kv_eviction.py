@@ -5,7 +5,7 @@ row evicts as it does alone (PyTorch and ORT)."""
 
 import pytest
 import torch
-from conftest import needs_cxx, needs_onednn, padded, tiny_model
+from conftest import needs_cxx, needs_onednn, padded, tiny_model, translated_once
 
 import specpass
 from specpass.drafters.registry import drafter_by_name
@@ -422,44 +422,23 @@ def test_a_batch_evicts_each_row_as_that_row_alone_on_the_default_model(default_
 # ---- ONNX: the policy's graphs exported beside the step, run on ORT ----------------------------
 
 
-@pytest.fixture(scope="module")
-def translate_once():
-    """`torch.onnx.export` of the step, once per graph: every policy's step is the same graph (it records
-    its queries whatever the policy keeps) over the same weights, so the six exports share its ONNX
-    translation (12 s each) and differ in what `export` still does per policy: the passes, the policy's
-    graphs, the ORT checks, the manifest."""
-    from specpass.backends.onnx import export
-
-    translate, translated = export._torch_export, []
-
-    def once(step, arch, dtype):
-        code, state = (step.graph.python_code("self").src, arch, dtype, export.output_names(step)), step.state_dict()
-        for seen, weights, program in translated:
-            if seen == code and weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state):
-                return program
-        translated.append((code, {k: t.clone() for k, t in state.items()}, translate(step, arch, dtype)))
-        return translated[-1][2]
-
-    return once
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("cls", POLICIES)
-def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path, translate_once, monkeypatch):
+def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path, step_translations):
     """The exported step outputs its queries; observe.onnx / evict.onnx run the policy on ORT: speculative
     decoding over the ORT program gives the PyTorch program's tokens, in a cache of `budget` slots, and
-    the export's cache size is its budget."""
+    the export's cache size is its budget. Every policy's step is the same graph (it records its queries
+    whatever the policy keeps): the six exports share its ONNX translation."""
     import onnx
 
-    from specpass.backends.onnx import export as onnx_export
     from specpass.backends.onnx.export import export
 
-    monkeypatch.setattr(onnx_export, "_torch_export", translate_once)
     model = tiny_model()
     policy = _policy(cls, 32, 8)
     ids = torch.randint(3, 96, (1, 45), generator=torch.Generator().manual_seed(12))
     ids = torch.cat([ids, ids[:, 5:25]], dim=1)
-    result = export(model, specpass.Pipeline(TreeAttention(8), policy), str(tmp_path / "out"), progress=False)
+    with translated_once(step_translations):
+        result = export(model, specpass.Pipeline(TreeAttention(8), policy), str(tmp_path / "out"), progress=False)
     entry = result.manifest["eviction"]
     assert (tmp_path / "out" / entry["evict"]).exists()
     assert (tmp_path / "out" / "observe.onnx").exists() == (entry["observe"] is not None) == (cls is not SinksWindow)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import NEW_TOKENS, at_once, padded, tiny_model
+from conftest import NEW_TOKENS, at_once, padded, tiny_model, translated_once
 
 import specpass
 from specpass.backends.onnx.export import export
@@ -24,13 +24,15 @@ EXPORTED = ("llama", "qwen2", "mistral", "gemma2")  # biases, sliding windows, s
 
 
 @pytest.fixture(scope="module")
-def tiny_exports(tmp_path_factory):
-    """Tiny models of the families, each exported (with the default checks) once."""
+def tiny_exports(tmp_path_factory, step_translations):
+    """Tiny models of the families, each exported (with the default checks) once; later exports of the
+    same step share its ONNX translation."""
     out = {}
     for arch in EXPORTED:
         model = tiny_model(arch)
         directory = str(tmp_path_factory.mktemp(f"onnx-{arch}"))
-        out[arch] = model, export(model, TREE, directory, force=True, progress=False)
+        with translated_once(step_translations):
+            out[arch] = model, export(model, TREE, directory, force=True, progress=False)
     return out
 
 
@@ -196,7 +198,7 @@ def test_a_damaged_export_is_one_clear_error(tiny_exports, tmp_path):
         assert len(str(raised.value).splitlines()) == 1
 
 
-def test_an_interrupted_export_leaves_nothing_that_looks_complete(tiny_exports, tmp_path, monkeypatch):
+def test_an_interrupted_export_leaves_nothing_that_looks_complete(tiny_exports, step_translations, tmp_path, monkeypatch):
     """The export is written beside its directory and renamed into place once checked: interrupted in
     its checks while replacing an export (force), it leaves the old export whole and nothing else."""
     import specpass.backends.onnx.export as onnx_export
@@ -209,7 +211,7 @@ def test_an_interrupted_export_leaves_nothing_that_looks_complete(tiny_exports, 
     kept = str(tmp_path / "kept")
     shutil.copytree(tiny_exports["llama"][1].directory, kept)
     before = sorted(os.listdir(kept))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt), translated_once(step_translations):
         export(model, TREE, kept, force=True, progress=False)
     assert os.listdir(tmp_path) == ["kept"] and sorted(os.listdir(kept)) == before
     specpass.load_onnx(kept)
@@ -248,13 +250,14 @@ class _WithAGraph(_Unexportable):
         return ExportHook("doubled", (graph,), {"file": "doubled.onnx", "width": arch.hidden_size})
 
 
-def test_a_pass_export_hook_adds_its_graphs_and_its_manifest_entry(tmp_path):
+def test_a_pass_export_hook_adds_its_graphs_and_its_manifest_entry(step_translations, tmp_path):
     """Pass.export_hook: its graph is exported, checked on ORT and named in the manifest; the pass
     without one is refused naming the passes that have one."""
     import onnxruntime
 
-    result = export(tiny_model(), specpass.Pipeline(specpass.rewrites.TreeAttention(16), _WithAGraph()),
-                    str(tmp_path / "out"), progress=False)  # fmt: skip
+    with translated_once(step_translations):  # the step is tiny llama's under TREE
+        result = export(tiny_model(), specpass.Pipeline(specpass.rewrites.TreeAttention(16), _WithAGraph()),
+                        str(tmp_path / "out"), progress=False)  # fmt: skip
     entry = result.manifest["doubled"]
     assert entry["file"] == "doubled.onnx" and entry["width"] == 32 and entry["check_max_abs_diff"] == {"doubled.onnx": 0.0}
     session = onnxruntime.InferenceSession(os.path.join(result.directory, "doubled.onnx"))
@@ -351,14 +354,15 @@ def test_cli_generate_on_ort(default_export, capsys):
     assert "identical to greedy: True" in printed and "plain greedy (ORT)" in printed
 
 
-def test_cli_exports_a_local_hf_directory(tmp_path, capsys):
+def test_cli_exports_a_local_hf_directory(step_translations, tmp_path, capsys):
     model = tiny_model("mistral")
     model.save_pretrained(tmp_path / "hf")
     out = tmp_path / "out"
     too_deep = specpass.Pipeline(specpass.rewrites.TreeAttention(64)).to_json()  # trees as deep as the window (18)
     assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check", "--pipeline", too_deep]) == 2
     assert "use max_nodes < 18" in capsys.readouterr().err and not out.exists()
-    assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check"]) == 0  # the default fits the window
+    with translated_once(step_translations):  # the step is tiny mistral's under TREE
+        assert main(["export", str(tmp_path / "hf"), "-o", str(out), "--no-check"]) == 0  # the default fits the window
     manifest = json.load(open(out / "manifest.json"))
     assert manifest["architecture"] == "MistralForCausalLM" and manifest["check"] == "skipped"
     assert manifest["pipeline"]["passes"] == [{"pass": "TreeAttention", "params": {"max_nodes": 17}}]
