@@ -230,7 +230,10 @@ def cases(default_model, tmp_path_factory):
 def pytest_configure(config):
     """Under pytest-xdist the workers share the cores: each gets its share of threads (four OpenMP
     threads on two cores spin against each other: one test took 10x longer), and so do the CLI and
-    torchrun subprocesses a worker starts, through OMP_NUM_THREADS."""
+    torchrun subprocesses a worker starts, through OMP_NUM_THREADS. The controller hands out files in
+    collection order (LONGEST_FILES first), not by their number of tests (xdist's default reorder)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -243,11 +246,11 @@ def pytest_configure(config):
 # pytest-xdist (--dist loadfile) hands whole files to whichever worker is free, in collection order:
 # with these first and the short files last, the workers finish together instead of one running a
 # long file alone at the end.
-LONGEST_FILES = ("test_onnx.py", "test_batch.py", "test_generate.py", "test_readme.py", "test_tensor_parallel.py",
-                 "test_multi_candidate.py", "test_hf_hook.py", "test_program_state.py", "test_kv_eviction.py",
-                 "test_sampling.py", "test_heads.py", "test_draft_protocol.py", "test_exit_adapter.py",
-                 "test_gguf_lowering.py", "test_families.py", "test_early_exit.py", "test_layer_skip.py",
-                 "test_models.py", "test_property.py")  # 263 s down to 40 s each (2026-11-27, evening); the others take < 30 s  # fmt: skip
+LONGEST_FILES = ("test_onnx.py", "test_batch.py", "test_kv_eviction.py", "test_generate.py", "test_hf_hook.py",
+                 "test_heads.py", "test_tensor_parallel.py", "test_sampling.py", "test_readme.py",
+                 "test_program_state.py", "test_multi_candidate.py", "test_gguf_lowering.py", "test_families.py",
+                 "test_early_exit.py", "test_suffix.py", "test_models.py", "test_exit_adapter.py", "test_layer_skip.py",
+                 "test_draft_protocol.py", "test_ladder_residual.py")  # 288 s down to 21 s each (2026-11-28); the others take < 20 s  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
