@@ -37,7 +37,7 @@ from torch import nn
 
 from specpass.backends.onnx.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
 from specpass.backends.onnx.draft import export_draft
-from specpass.backends.onnx.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, ort_session
+from specpass.backends.onnx.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, check_against_torch, ort_session
 from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
 from specpass.passes import Pass, Pipeline
@@ -216,18 +216,7 @@ def _export_graph(graph: ExportGraph, out_dir: str, dtype: torch.dtype, check: b
     except Exception as exc:
         raise ExportError(f"torch.onnx.export of {graph.file} failed: {type(exc).__name__}: {str(exc)[:600]}") from exc
     program.save(path)
-    if not check:
-        return None
-    import onnx
-
-    onnx.checker.check_model(path, full_check=True)
-    with torch.no_grad():
-        expected = graph.module(**inputs)
-    got = ort_session(path, torch.device("cpu")).run(None, {k: v.numpy() for k, v in inputs.items()})
-    worst = max(float((torch.from_numpy(g).float() - e.float()).abs().max()) for g, e in zip(got, expected))
-    if not worst <= TOLERANCE[dtype]:
-        raise ExportError(f"{graph.file} on ORT differs from PyTorch by {worst:.3g} (> {TOLERANCE[dtype]})")
-    return worst
+    return check_against_torch(path, graph.module, inputs, graph.outputs, dtype, graph.file) if check else None
 
 
 def _move_into_place(staging: str, out_dir: str) -> None:

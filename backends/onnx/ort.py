@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from specpass.errors import DamagedFileError, SpecpassError
+from specpass.errors import DamagedFileError, ExportError, SpecpassError
 
 MANIFEST_VERSION = 2  # 2: the draft graph's entry is its DraftGraphSpec (ir.draft)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on an export's check, or:
@@ -102,3 +103,26 @@ def bind(session, device: torch.device, inputs: dict[str, torch.Tensor], outputs
     for name, tensor in outputs.items():
         binding.bind_output(name, device.type, index, _NUMPY[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
     return binding
+
+
+def check_against_torch(path: str, module, inputs: dict, outputs: Sequence[str], dtype: torch.dtype, name: str) -> float:
+    """onnx.checker, then the ONNX file at `path` on ORT (CPU) against `module` on the same `inputs`:
+    integer outputs equal, float outputs within TOLERANCE[dtype]; returns the largest float difference.
+    `name` says what was exported in the ExportError otherwise."""
+    import onnx
+
+    onnx.checker.check_model(path, full_check=True)
+    with torch.no_grad():
+        expected = module(**inputs)
+    got = ort_session(path, torch.device("cpu")).run(None, {k: v.numpy() for k, v in inputs.items()})
+    worst = 0.0
+    for output, mine, theirs in zip(outputs, expected, got):
+        theirs = torch.from_numpy(theirs)
+        if not mine.dtype.is_floating_point:
+            if not torch.equal(theirs, mine.cpu()):
+                raise ExportError(f"{name}'s output {output} differs between ORT and PyTorch")
+            continue
+        worst = max(worst, float((theirs.float() - mine.float()).abs().max()))
+    if not worst <= TOLERANCE[dtype]:
+        raise ExportError(f"{name} on ORT differs from PyTorch by {worst:.3g} (> {TOLERANCE[dtype]})")
+    return worst
