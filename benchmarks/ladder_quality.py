@@ -56,7 +56,7 @@ def _ladder_counts(num_layers: int) -> dict[str, int]:
 @torch.no_grad()
 def _text_logits(program, texts: list[torch.Tensor]) -> list[torch.Tensor]:
     """Logits [T, V] of each text as one prefill through the program's step."""
-    return [program.forward(ids[None], RowsLayout((SlotLayout.chain(0, len(ids)),)))[0][0].float() for ids in texts]
+    return [program.forward(ids[None], RowsLayout.of((SlotLayout.chain(0, len(ids)),)))[0][0].float() for ids in texts]
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -115,7 +115,7 @@ def _call_costs(model, layer: int) -> dict:
         return statistics.median(times)
 
     draft = median(lambda: program.draft(**layout.step_inputs(ids)))
-    verify = median(lambda: program.forward(ids, RowsLayout((layout,))))
+    verify = median(lambda: program.forward(ids, RowsLayout.of((layout,))))
     return {"draft_call_ms": round(draft * 1e3, 3), "one_token_verify_ms": round(verify * 1e3, 3),
             "ratio": round(draft / verify, 3)}  # fmt: skip
 

@@ -85,7 +85,7 @@ class SlotLayout:
 
     def step_inputs(self, input_ids: torch.Tensor) -> dict:
         """The static-cache step's inputs for `input_ids` [B, T], every row laid out here (RowsLayout)."""
-        return RowsLayout((self,) * input_ids.shape[0]).step_inputs(input_ids)
+        return RowsLayout.of((self,) * input_ids.shape[0]).step_inputs(input_ids)
 
     def prefix_mask(self, slots: int) -> torch.Tensor:
         """[T, slots] bool: which of a cache buffer's `slots` slots each token sees as committed prefix."""
@@ -121,41 +121,64 @@ def past_and_tree_visibility(past_mask: torch.Tensor, tree_mask: torch.Tensor) -
 
 @dataclass(frozen=True, eq=False)
 class RowsLayout:
-    """One step of several sequences in one forward: row b is laid out by `rows[b]` in its own cache row
-    (its own committed prefix, write slots, tree and positions), padded to the largest row's T.
+    """One step of several sequences in one forward: row b is laid out in its own cache row as a
+    `SlotLayout` of committed[b] slots, sizes[b] nodes and evicted[b] evicted tokens, its ancestor mask
+    ancestors[b, :sizes[b], :sizes[b]]; every row is padded to the same T.
 
-    Padding node k of a row (k >= the row's T_b) sees only itself, sits at the row's next slot
+    Padding node k of a row (k >= the row's size) sees only itself, sits at the row's next slot
     (committed_b + k, past its committed prefix: never read, overwritten by a later step) and takes
     the position it would have there; its outputs are ignored. kv_len is the longest row's
     committed + T; in row b the slots past committed_b + T are hidden by its mask. Every row needs
     committed_b + T <= the cache's slots (the caller sizes T by the rows' room).
     """
 
-    rows: tuple[SlotLayout, ...]
+    committed: tuple[int, ...]
+    ancestors: torch.Tensor  # [B, T, T] bool; a padding node's row and column: itself only
+    sizes: tuple[int, ...]
+    evicted: tuple[int, ...]
 
     def __post_init__(self):
-        if not self.rows:
+        batch = len(self.committed)
+        if not batch or self.ancestors.shape[0] != batch or len(self.sizes) != batch or len(self.evicted) != batch:
+            raise ValueError("a rows layout needs at least one row, with one committed, size and evicted count each")
+
+    @classmethod
+    def of(cls, rows: Sequence[SlotLayout]) -> RowsLayout:
+        """Per-row layouts padded into one (padding nodes as in the class docstring)."""
+        if not rows:
             raise ValueError("a rows layout needs at least one row")
+        t = max(row.size for row in rows)
+        eye = torch.eye(t, dtype=torch.bool, device=rows[0].device)
+        ancestors = torch.stack([row.ancestors if row.size == t else padded_mask(row.ancestors, eye) for row in rows])
+        return cls(tuple(r.committed for r in rows), ancestors, tuple(r.size for r in rows), tuple(r.evicted for r in rows))
+
+    @property
+    def rows(self) -> tuple[SlotLayout, ...]:
+        """Each row's own layout (its unpadded mask)."""
+        return tuple(SlotLayout(c, self.ancestors[b, :n, :n], e)
+                     for b, (c, n, e) in enumerate(zip(self.committed, self.sizes, self.evicted)))  # fmt: skip
 
     @property
     def size(self) -> int:
         """T: tokens per row in the forward (the largest row's, the others padded)."""
-        return max(row.size for row in self.rows)
+        return self.ancestors.shape[1]
 
     @property
     def kv_len(self) -> int:
-        return max(row.committed for row in self.rows) + self.size
+        return max(self.committed) + self.size
 
     @property
     def device(self) -> torch.device:
-        return self.rows[0].device
+        return self.ancestors.device
 
     def to(self, device: torch.device | str) -> RowsLayout:
-        return RowsLayout(tuple(row.to(device) for row in self.rows))
+        if self.ancestors.device == torch.device(device):
+            return self
+        return dataclasses.replace(self, ancestors=self.ancestors.to(device))
 
     def pad_tokens(self, tokens: Sequence[torch.Tensor]) -> torch.Tensor:
         """[B, T] int64: each row's tokens [T_b], zeros after them."""
-        ids = torch.zeros(len(self.rows), self.size, dtype=torch.long, device=tokens[0].device)
+        ids = torch.zeros(len(self.committed), self.size, dtype=torch.long, device=tokens[0].device)
         for b, row_tokens in enumerate(tokens):
             ids[b, : row_tokens.shape[0]] = row_tokens
         return ids
@@ -165,8 +188,8 @@ class RowsLayout:
         further to `size` tokens a row and `batch` rows when given (a graph-replay bucket,
         backends.lowering.cudagraphs): padding nodes as in the class docstring, and a padding row b >= B is
         `size` nodes each seeing only itself in slots 0 .. size - 1 of cache row b, a row no live
-        sequence uses (the batched loop keeps its live rows first, SpeculativeProgram.keep_rows)."""
-        live, t = len(self.rows), self.size if size is None else size
+        sequence uses (the loop keeps its live rows first, DecodeProgram.keep_rows)."""
+        live, t = len(self.committed), self.size if size is None else size
         batch = live if batch is None else batch
         if t < self.size or batch < live:
             raise ValueError(f"cannot pad a step of {live} rows x {self.size} tokens to {batch} x {t}")
@@ -175,29 +198,30 @@ class RowsLayout:
             ids = torch.zeros(batch, t, dtype=input_ids.dtype, device=input_ids.device)
             ids[:live, : input_ids.shape[1]] = input_ids
             input_ids = ids
-        eye = torch.eye(t, dtype=torch.bool, device=device)
-        ancestors = torch.stack([row.ancestors if row.size == t else padded_mask(row.ancestors, eye)
-                                 for row in self.rows] + [eye] * (batch - live))  # fmt: skip  [B, T, T]
-        pad = [0] * (batch - live)  # a padding row: committed 0, no real node
-        committed = torch.tensor([row.committed for row in self.rows] + pad, device=device)  # [B]
-        start = torch.tensor([row.evicted + row.committed for row in self.rows] + pad, device=device)  # [B]
-        real = torch.tensor([row.size for row in self.rows] + pad, device=device)  # [B]
+        ancestors = self.ancestors
+        if tuple(ancestors.shape) != (batch, t, t):
+            ancestors = torch.eye(t, dtype=torch.bool, device=device).repeat(batch, 1, 1)  # [B, T, T]
+            ancestors[:live, : self.size, : self.size] = self.ancestors
+        pad = (0,) * (batch - live)  # a padding row: committed 0, no real node
+        committed = torch.tensor(self.committed + pad, device=device)  # [B]
+        start = committed + torch.tensor(self.evicted + pad, device=device)  # [B]
+        real = torch.tensor(self.sizes + pad, device=device)  # [B]
         k = torch.arange(t, device=device)  # [T]
         depth = ancestors.sum(-1) - 1  # [B, T]
         positions = start[:, None] + torch.where(k[None, :] < real[:, None], depth, k[None, :])  # padding node k: next + k
         slots = committed[:, None] + k[None, :]  # [B, T]
-        kv_len = max(row.committed for row in self.rows) + t
-        return {"input_ids": input_ids, "positions": positions, "kv_len": kv_len,
+        return {"input_ids": input_ids, "positions": positions, "kv_len": max(self.committed) + t,
                 "tree_mask": ancestors, "cache_slots": slots}  # fmt: skip
 
     def moves(self, paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
         """(rows, source slots, destination slots) compacting each row's accepted path (SlotLayout.moves)."""
         rows, sources, destinations = [], [], []
-        for b, (row, path) in enumerate(zip(self.rows, paths, strict=True)):
-            src, dst = row.moves(path)
-            rows += [b] * len(src)
-            sources += src
-            destinations += dst
+        for b, (committed, path) in enumerate(zip(self.committed, paths, strict=True)):
+            for i, node in enumerate(path):
+                if node != i:
+                    rows.append(b)
+                    sources.append(committed + node)
+                    destinations.append(committed + i)
         return rows, sources, destinations
 
 

@@ -6,7 +6,8 @@ import torch
 import specpass
 from conftest import FIXED_BUDGET, NEW_TOKENS, token_inside_an_accepted_draft, with_heads
 from specpass.backends.runtime.cost import CostCurve
-from specpass.drafters import Combined, Drafting, Heads, PromptLookup, TokenRecycling, expected_tokens
+from specpass.backends.runtime import decode
+from specpass.drafters import Combined, Heads, PromptLookup, RowsDrafting, TokenRecycling, expected_tokens
 from specpass.rewrites import TreeAttention
 
 
@@ -24,22 +25,34 @@ class _Trees:
         return [len(tree) for tree in self.verified]
 
 
+class _Recording(RowsDrafting):
+    """A batch's drafting that records every row's tree as drafted and as verified."""
+
+    def __init__(self, drafting: RowsDrafting, recorded: _Trees):
+        self.drafting, self.recorded = drafting, recorded
+
+    def draft(self, histories, max_nodes, max_depths):
+        rows = self.drafting.draft(histories, max_nodes, max_depths)
+        self.recorded.drafted.extend(rows.row(b) for b in range(len(rows)))
+        return rows
+
+    def precomputed(self, trees):
+        return self.drafting.precomputed(trees)
+
+    def observe(self, trees, verified, paths, histories):
+        self.recorded.verified.extend(trees.row(b) for b in range(len(trees)))
+        return self.drafting.observe(trees, verified, paths, histories)
+
+    def keep(self, rows):
+        return self.drafting.keep(rows)
+
+
 @pytest.fixture
 def trees(monkeypatch):
+    """The trees of every generation in the test (the drafting the decode loop starts, wrapped)."""
     recorded = _Trees()
-    draft, observe = Drafting.draft, Drafting.observe
-
-    def drafted(self, tokens, max_nodes, max_depth):
-        tree = draft(self, tokens, max_nodes, max_depth)
-        recorded.drafted.append(tree)
-        return tree
-
-    def verified(self, tree, *args):
-        recorded.verified.append(tree)
-        return observe(self, tree, *args)
-
-    monkeypatch.setattr(Drafting, "draft", drafted)
-    monkeypatch.setattr(Drafting, "observe", verified)
+    prefill = decode._prefill
+    monkeypatch.setattr(decode, "_prefill", lambda *args: _Recording(prefill(*args), recorded))
     return recorded
 
 

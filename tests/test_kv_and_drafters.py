@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,11 +131,11 @@ def test_token_recycling_reads_as_many_target_candidates_as_its_top_k():
     ranks = torch.arange(100, 120).repeat(2, 1)  # [2, 20]: more columns than the drafter reads
     drafter = TokenRecycling(top_k=16)
     session = drafter.start([1, 2], _verified(ranks), drafter.new_memory())
-    assert session.table.by_token[2] == list(range(100, 116))  # ranks 0..15, not capped at 8
+    assert session.table.by_token[2].tolist() == list(range(100, 116))  # ranks 0..15, not capped at 8
     tree = build_tree(2, [session.candidates([1, 2])], max_nodes=64, max_depth=1)
     assert set(tree.tokens[1:]) == set(range(100, 116))
     session.observe(tree, _verified(torch.arange(200, 220).repeat(len(tree), 1)), [0], [1, 2])
-    assert session.table.by_token[100] == list(range(200, 216))
+    assert session.table.by_token[100].tolist() == list(range(200, 216))
 
 
 def test_cost_curve_picks_the_size_with_most_tokens_per_second():
@@ -220,14 +221,26 @@ def test_token_recycling_table_is_inherited_by_the_next_generation():
     assert len(build_tree(2, [cold.candidates([7, 2])], max_nodes=2, max_depth=1)) == 1  # nothing known about 2
 
 
-def test_successor_table_evicts_the_least_recently_written_pair():
-    table = TokenRecycling(max_pairs=2).new_memory()
-    table.write(1, 2, [3])
-    table.write(2, 3, [4])
-    table.write(1, 2, [5])  # rewritten: now the most recent
-    table.write(3, 4, [6])
-    assert list(table.by_pair) == [(1, 2), (3, 4)] and table.by_pair[1, 2] == [5]
-    assert table.by_token == {2: [5], 3: [4], 4: [6]}  # one row per token, bounded by the vocabulary
+def test_successor_table_keeps_the_latest_row_per_token_and_pair_in_bounded_slots():
+    table = TokenRecycling(top_k=2, max_pairs=1000).new_memory()
+
+    def write(previous, token, successors):
+        table.write(np.array([previous]), np.array([token]), np.array([successors]))
+
+    write(1, 2, [3, 7])
+    write(2, 3, [4, 8])
+    write(1, 2, [5, 9])  # rewritten: the later row wins
+    write(3, 4, [6, -1])
+    assert table.after_token(np.array([2, 3, 4, 5])).tolist() == [[5, 9], [4, 8], [6, -1], [-1, -1]]
+    assert table.after_pair(np.array([1, 2, 9]), np.array([2, 3, 2])).tolist() == [[5, 9], [4, 8], [-1, -1]]
+    assert table.pair_keys.shape == (1024,) and len(table) == 3  # slots: max_pairs to a power of two
+    table = TokenRecycling(top_k=2, max_pairs=4).new_memory()
+    for previous in range(100):  # many pairs into 4 slots: each lookup is the pair's own row or nothing
+        write(previous, 50, [previous, previous + 1])
+    hits = table.after_pair(np.arange(100), np.full(100, 50))
+    assert all(row in ([p, p + 1], [-1, -1]) for p, row in enumerate(hits.tolist())) and (hits[:, 0] >= 0).sum() <= 4
+    table.write(np.array([-1]), np.array([5000]), np.array([[1, 2]]))  # ids past the table's rows grow it
+    assert table.after_token(np.array([5000])).tolist() == [[1, 2]]
 
 
 def test_combined_drafter_memory_is_one_per_member():

@@ -58,12 +58,12 @@ def test_export_round_trip(tiny_exports, arch):
 
 def _forward(program, tokens, layout):
     """One sequence's forward: tokens [T] laid out by `layout` (a SlotLayout) -> logits [T, V]."""
-    return program.forward(tokens[None], RowsLayout((layout,)))[0][0]
+    return program.forward(tokens[None], RowsLayout.of((layout,)))[0][0]
 
 
 def _prefill(program, prompt):
     n = prompt.shape[0]
-    layout = RowsLayout((SlotLayout.chain(0, n),))
+    layout = RowsLayout.of((SlotLayout.chain(0, n),))
     program.forward(prompt[None], layout)
     program.commit(layout, [range(n)])
     return n
@@ -92,7 +92,7 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
     n = _prefill(program, prompt)
     tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 2), (1.0,) * 4, (None,) * 4)  # node 1 is rejected
-    layout = RowsLayout((SlotLayout(n, tree.ancestor_mask()),))
+    layout = RowsLayout.of((SlotLayout(n, tree.ancestor_mask()),))
     program.forward(torch.tensor(tree.tokens)[None], layout)
     program.commit(layout, [[0, 2, 3]])
     accepted = torch.cat([prompt, torch.tensor([5, 7, 8])])

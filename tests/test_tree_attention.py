@@ -34,7 +34,7 @@ def test_tree_mask_matches_brute_force():
     assert mask.shape == (1, 1, 7, kv_len)
     assert torch.equal(mask[0, 0], brute_force_mask(PARENTS, prefix, kv_len))
     # two rows, each with its own prefix: each row's mask is its own brute-force mask
-    rows = RowsLayout((layout, SlotLayout(2, tree.ancestor_mask())))
+    rows = RowsLayout.of((layout, SlotLayout(2, tree.ancestor_mask())))
     inputs = rows.step_inputs(torch.zeros(2, 7, dtype=torch.long))
     both = slot_visibility(inputs["tree_mask"], inputs["cache_slots"], kv_len)
     assert torch.equal(both[0, 0], brute_force_mask(PARENTS, prefix, kv_len))

@@ -46,10 +46,10 @@ class CudaGraphStep:
     def _bucket(self, layout: RowsLayout) -> tuple[int, int, int] | None:
         """(rows, tokens, attended slots) of the graph that replays `layout`, None to run it eagerly."""
         tb = max(tree_bucket(layout.size), self.eager.min_tokens)
-        committed = max(row.committed for row in layout.rows)
+        committed = max(layout.committed)
         if tb > max(tree_bucket(self.max_nodes), self.eager.min_tokens) or committed + tb > self.cache_size:
             return None
-        rb = min(max(tree_bucket(len(layout.rows)), self.eager.min_rows), self.cache_rows)
+        rb = min(max(tree_bucket(len(layout.committed)), self.eager.min_rows), self.cache_rows)
         return rb, tb, kv_bucket(committed + tb, self.cache_size)
 
     def _capture(self, static: dict):
@@ -69,7 +69,7 @@ class CudaGraphStep:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, layout: SlotLayout | RowsLayout):
-        rows = layout if isinstance(layout, RowsLayout) else RowsLayout((layout,))
+        rows = layout if isinstance(layout, RowsLayout) else RowsLayout.of((layout,))
         bucket = self._bucket(rows)
         if bucket is None:  # a prompt, or too close to the end of the cache to pad: run eagerly
             return self.eager(input_ids, layout)
@@ -88,4 +88,4 @@ class CudaGraphStep:
             graph, outputs = self._capture(static)
             self.graphs[bucket] = graph, static, outputs
         graph.replay()
-        return tuple(o[: len(rows.rows), : rows.size] for o in outputs)
+        return tuple(o[: len(rows.committed), : rows.size] for o in outputs)

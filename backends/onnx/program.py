@@ -141,16 +141,16 @@ class OrtProgram(DecodeProgram):
         }  # fmt: skip
 
     def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = len(layout.rows)
+        batch = len(layout.committed)
         self.check_rows(batch)
         tokens, layout = tokens.to(self.device), layout.to(self.device)
-        self._reserve(batch, max(row.committed for row in layout.rows) + 1)
+        self._reserve(batch, max(layout.committed) + 1)
         if self.cuda_graphs:  # one row (rows > 1 is refused with cuda_graphs)
             outputs = self._run_graph(tokens, layout.rows[0])
         else:
             step = layout.step_inputs(tokens)
             slots = torch.arange(self.keys.shape[3], device=self.device)  # [S]
-            committed = torch.tensor([row.committed for row in layout.rows], device=self.device)  # [B]
+            committed = torch.tensor(layout.committed, device=self.device)  # [B]
             past_mask = (slots[None, :] < committed[:, None])[:, None, :].expand(batch, layout.size, -1)  # [B, T, S]
             inputs = {"input_ids": tokens, "positions": step["positions"], "past_keys": self.keys,
                       "past_values": self.values, "past_mask": past_mask, "tree_mask": step["tree_mask"]}  # fmt: skip
@@ -163,13 +163,13 @@ class OrtProgram(DecodeProgram):
         """Copy each row's path from the last step's new_keys / new_values into its committed slots."""
         if self._new is None:
             raise SpecpassError("commit before any forward")
-        self._reserve(len(layout.rows), max(row.committed + len(p) for row, p in zip(layout.rows, paths)))
-        for b, (row, path) in enumerate(zip(layout.rows, paths, strict=True)):
+        self._reserve(len(paths), max(c + len(p) for c, p in zip(layout.committed, paths)))
+        for b, (committed, path) in enumerate(zip(layout.committed, paths, strict=True)):
             if not path:
                 continue
             nodes = torch.tensor(path, device=self.device)
             for cache, new in zip((self.keys, self.values), self._new):  # new: [L, B, KV, T, D]
-                cache[:, b, :, row.committed : row.committed + len(path)] = new[:, b].index_select(2, nodes)
+                cache[:, b, :, committed : committed + len(path)] = new[:, b].index_select(2, nodes)
 
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         index = torch.tensor(list(keep), device=self.device)

@@ -29,12 +29,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from specpass.backends.runtime.acceptance import accept_rows
 from specpass.backends.runtime.generation import BatchGeneration, check_rows, padded_sequences
 from specpass.backends.runtime.guard import one_generation_at_a_time
 from specpass.backends.runtime.program import DecodeProgram
 from specpass.backends.runtime.sampling import TargetChoice
 from specpass.backends.runtime.sequence import CacheCursor, SequenceState
-from specpass.drafters import DraftTree, expected_tokens
+from specpass.drafters import RootsOnly, RowsDrafting, VerifiedRows, rows_drafting
+from specpass.drafters.tree_rows import TreeRows, first_branches
 from specpass.errors import InvalidParameterError
 from specpass.ir.layout import RowsLayout
 
@@ -97,11 +99,11 @@ def generate(
 def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream | None, curve, started: float) -> float:
     """Prefill every row, then decode until every row finished; returns the prefill's seconds."""
     top_k = min(program.drafter.target_topk, program.vocab_size)  # the target's top candidates the drafters read
-    _prefill(program, seqs, top_k)
+    drafting = _prefill(program, seqs, top_k)
     prefill_seconds = time.perf_counter() - started
     if stream is not None:
         stream.flush()
-    live = _retire(program, seqs)  # live[i] owns cache row i
+    live = _retire(program, seqs, drafting)  # live[i] owns cache row i
     overhead = 0.0  # running estimate of a step's seconds outside the target forward
     # nodes a row drafts: a fixed budget's, or (cost budget) max_nodes over all rows or twice the size
     # verified last step, whichever is more, so the drafting work of a batch follows what its forward
@@ -115,36 +117,35 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
             for s in live:
                 if program.room(s.cursor.cached) < 1:
                     s.end("cache_full")
-            live = _retire(program, live)
+            live = _retire(program, live, drafting)
             continue
-        trees = []
-        for b, s in enumerate(live):
-            with program.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
-                trees.append(s.draft(program, min(room, drafted)))
+        histories = [s.tokens for s in live]
+        trees = drafting.draft(histories, min(room, drafted), [s.remaining - 1 for s in live])
+        if not program.verifies_trees:
+            trees = first_branches(trees)
         size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
-        size = min(program.agreed_size(size), room)  # every process of a sharded program verifies rank 0's size
-        trees = [t.prefix(size) for t in trees]
-        layout = RowsLayout(tuple(s.cursor.layout(t.ancestor_mask()) for s, t in zip(live, trees)))
-        states = _exit_states(live, trees, layout.size) if program.resumes_from_exit else None
+        trees = trees.prefix(min(program.agreed_size(size), room))  # every process of a sharded program: rank 0's size
+        layout = RowsLayout(tuple(s.cursor.cached for s in live), torch.from_numpy(trees.ancestors),
+                            tuple(trees.sizes.tolist()), tuple(s.cursor.seen - s.cursor.cached for s in live))  # fmt: skip
+        states = drafting.precomputed(trees) if program.resumes_from_exit else None
         if states is not None:  # every row's tree is its self-draft chain: resume above the exit
             logits, hidden = program.forward_from_exit(states, layout)  # [B, T, V], [B, T, H]
         else:
-            tokens = layout.pad_tokens([torch.tensor(t.tokens) for t in trees])  # [B, T]
-            logits, hidden = program.forward(tokens, layout)  # [B, T, V], [B, T, H]
-        topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]: the step's one host sync
-        accepted = [s.accept(t, logits[b, : len(t)], hidden[b, : len(t)], topk[b, : len(t)], states is not None)
-                    for b, (s, t) in enumerate(zip(live, trees))]  # fmt: skip
-        committed = program.commit(layout, [path for path, _ in accepted])
-        for s, t, (path, verified), cached in zip(live, trees, accepted, committed):
+            logits, hidden = program.forward(torch.from_numpy(trees.tokens), layout)  # [B, T, V], [B, T, H]
+        paths, verified = _accept(live, trees, logits, hidden, top_k, states is not None)
+        committed = program.commit(layout, paths)
+        drafting.observe(trees, verified, paths, histories)  # histories end at each tree's root until advance
+        tree_tokens, choices, sizes = trees.tokens.tolist(), verified.choices.tolist(), trees.sizes.tolist()
+        for s, path, cached, row_tokens, row_choices, size in zip(live, paths, committed, tree_tokens, choices, sizes):
             s.cursor.advance(cached, len(path))
-            s.advance(t, verified, path)
+            s.advance([row_tokens[i] for i in path[1:]] + [row_choices[path[-1]]], size)
         if stream is not None:
             stream.flush()
-        live = _retire(program, live)
+        live = _retire(program, live, drafting)
         if curve is not None:
             outside = time.perf_counter() - step_started - curve.latency(layout.size)
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
-            drafted = min(program.max_nodes, max(program.max_nodes // len(layout.rows), 2 * layout.size, MIN_DRAFTED))
+            drafted = min(program.max_nodes, max(program.max_nodes // len(paths), 2 * layout.size, MIN_DRAFTED))
     if program.device.type == "cuda":  # the last commit ran asynchronously: count it in the time
         torch.cuda.synchronize(program.device)
         ended = time.perf_counter()
@@ -152,6 +153,27 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
             if s.finished_at >= last_step:
                 s.finished_at = ended
     return prefill_seconds
+
+
+def _accept(live: list[SequenceState], trees: TreeRows, logits: torch.Tensor, hidden: torch.Tensor, top_k: int,
+            resumed: bool) -> tuple[list[list[int]], VerifiedRows]:  # fmt: skip
+    """Each row's accepted path of `trees` verified as logits [B, T, V], hidden [B, T, H], and what the
+    drafters learn. Greedy and sample-and-match rows are accepted together (acceptance.accept_rows);
+    a row whose drafts were drawn from draft laws, by the multi-candidate rule."""
+    topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]: the step's host sync
+    choices = topk[..., 0]  # [B, T]: plain greedy
+    if any(not s.choice.plain_greedy for s in live):
+        choices = choices.clone()
+        for b, s in enumerate(live):
+            if not s.choice.plain_greedy:
+                n = int(trees.sizes[b])
+                choices[b, :n] = s.choose(trees.row(b), logits[b, :n])
+    paths = accept_rows(trees.tokens, trees.parents, trees.sizes, choices.numpy())
+    for b, s in enumerate(live):
+        if s.by_rule and trees.sizes[b] > 1:  # drawn drafts: the multi-candidate rule
+            n = int(trees.sizes[b])
+            paths[b], choices[b, :n] = s.accept_drawn(trees.row(b), logits[b, :n], topk[b, :n, 0])
+    return paths, VerifiedRows(topk, hidden, choices, resumed)
 
 
 class _Stream:
@@ -183,8 +205,8 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
         # every row's step is padded to the longest: no row may take more than the tightest room
         cap = max(1, min(piece, *(program.room(c.cached) for c in cursors)))
         counts = [min(cap, len(p) - f) for p, f in zip(prompts, fed)]
-        layout = RowsLayout(tuple(c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
-                                  for c, n in zip(cursors, counts)))  # fmt: skip
+        layout = RowsLayout.of([c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
+                                for c, n in zip(cursors, counts)])  # fmt: skip
         tokens = layout.pad_tokens([torch.tensor(list(p[f : f + max(n, 0)]) or [0], dtype=torch.long)
                                     for p, f, n in zip(prompts, fed, counts)])  # fmt: skip  [B, T]
         logits, hidden = program.forward(tokens, layout)  # [B, T, V], [B, T, H]
@@ -196,9 +218,9 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
         yield logits, hidden, [max(n, 0) for n in counts]
 
 
-def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> None:
+def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> RowsDrafting:
     """Every row's prompt through `feed` (at most PREFILL_TOKENS tokens a forward over all rows); then
-    each row chooses its first token and opens its drafter sessions."""
+    each row chooses its first token, and the rows' drafting starts."""
     topks: list[list[torch.Tensor]] = [[] for _ in seqs]
     hiddens: list[list[torch.Tensor]] = [[] for _ in seqs]
     last: list[torch.Tensor | None] = [None] * len(seqs)
@@ -211,36 +233,25 @@ def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> N
                 topks[b].append(topk[b, :n])
                 hiddens[b].append(hidden[b, :n])
                 last[b] = logits[b, n - 1 : n]  # [1, V]
-    for b, s in enumerate(seqs):
-        s.start(program, torch.cat(topks[b]), torch.cat(hiddens[b]), last[b])
+    drafter = program.drafter
+    prefills = [s.start(torch.cat(topks[b]), torch.cat(hiddens[b]), last[b], drafter.draws) for b, s in enumerate(seqs)]
+    if program.one_node:  # one-node trees: nothing to draft
+        return RootsOnly()
+    seeds = [s.choice.sampling.seed for s in seqs]
+    return rows_drafting(drafter, prompts, prefills, program.drafter_memory, program.draft, seeds, program.drafting_row)
 
 
-def _shared_size(curve, trees: list[DraftTree], overhead: float) -> int:
+def _shared_size(curve, trees: TreeRows, overhead: float) -> int:
     """Tokens per row n maximising the rows' summed expected tokens over latency(n) + overhead
     (CostCurve.best_size): a row whose tree is smaller than n is padded (its expected tokens stop growing)."""
-    expected = [expected_tokens(t) for t in trees]
-    largest = max(len(e) for e in expected)
-    summed = [sum(e[min(n, len(e)) - 1] for e in expected) for n in range(1, largest + 1)]
-    return curve.best_size(summed, overhead)
+    return curve.best_size(trees.expected_tokens().sum(axis=0).tolist(), overhead)
 
 
-def _exit_states(live: list[SequenceState], trees: list[DraftTree], size: int) -> torch.Tensor | None:
-    """[B, T, H]: each row's precomputed exit states (its tree is its self-draft chain), padding nodes'
-    zeros; None when some row has none (its tree is not the chain: then every row runs the whole
-    forward, which writes the same K/V in the self-drafted slots again)."""
-    rows = [s.drafting.precomputed(t) for s, t in zip(live, trees)]
-    if any(r is None for r in rows):
-        return None
-    states = rows[0].new_zeros(len(rows), size, rows[0].shape[-1])
-    for b, r in enumerate(rows):
-        states[b, : r.shape[0]] = r
-    return states
-
-
-def _retire(program: DecodeProgram, live: list[SequenceState]) -> list[SequenceState]:
-    """The live rows that have not finished; their caches move up over the finished rows' cache rows."""
+def _retire(program: DecodeProgram, live: list[SequenceState], drafting: RowsDrafting) -> list[SequenceState]:
+    """The live rows that have not finished; their caches and drafting move up over the finished rows'."""
     keep = [i for i, s in enumerate(live) if s.finish is None]
     if len(keep) < len(live) and keep:
         program.keep_rows(keep, max(live[i].cursor.cached for i in keep))
+        drafting.keep(keep)
     return [live[i] for i in keep]
 

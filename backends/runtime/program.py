@@ -121,7 +121,7 @@ class DecodeProgram(ABC):
         slots of each row hold committed tokens now (fewer after an eviction)."""
         paths = [list(path) for path in paths]
         self.compact(layout, paths)
-        committed = [row.committed + len(path) for row, path in zip(layout.rows, paths, strict=True)]
+        committed = [c + len(path) for c, path in zip(layout.committed, paths, strict=True)]
         for hook in self.hooks:
             committed = hook.after_commit(layout, paths, committed)
         return committed
@@ -151,7 +151,7 @@ class DecodeProgram(ABC):
     def measured_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward a cost curve times: tokens [T] laid out by `layout` in every row of the program;
         returns row 0's logits [T, V], hidden [T, H]."""
-        logits, hidden = self.forward(tokens[None].expand(self.rows, -1), RowsLayout((layout,) * self.rows))
+        logits, hidden = self.forward(tokens[None].expand(self.rows, -1), RowsLayout.of((layout,) * self.rows))
         return logits[0], hidden[0]
 
     @property
@@ -263,12 +263,12 @@ class SpeculativeProgram(DecodeProgram):
                                         f"{'; '.join(reasons)}; generate those one sequence at a time")  # fmt: skip
 
     def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        self.check_rows(len(layout.rows))
+        self.check_rows(len(layout.committed))
         logits, hidden = self.step(tokens, layout)[:2]  # [B, T, V], [B, T, H]
         return logits, hidden
 
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        self.check_rows(len(layout.rows))
+        self.check_rows(len(layout.committed))
         ids = torch.zeros(exit_hidden.shape[:2], dtype=torch.long, device=self.device)  # [B, T]: the resume graph reads none
         inputs = layout.to(self.device).step_inputs(ids) | {EXIT_HIDDEN: exit_hidden}  # exit_hidden [B, T, H]
         logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [B, T, V], [B, T, H]

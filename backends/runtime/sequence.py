@@ -1,7 +1,7 @@
-"""One sequence in the decode loop: its tokens, cache cursor, drafter sessions, target choice and counts.
+"""One sequence in the decode loop: its tokens, cache cursor, target choice, emission and counts.
 
-The loop (backends.runtime.decode) drives one `SequenceState` per row: drafting, acceptance and emission are a
-row's own; only the forward and the commit are the batch's.
+The loop (backends.runtime.decode) drives one `SequenceState` per row; drafting (drafters.RowsDrafting),
+the forward, acceptance (backends.runtime.acceptance) and the commit are the batch's.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import torch
 
 from specpass.backends.runtime.generation import GenerationStats
 from specpass.backends.runtime.multi_candidate import accept_drawn, node_laws
-from specpass.backends.runtime.program import DecodeProgram
 from specpass.backends.runtime.sampling import TargetChoice
-from specpass.drafters import Drafting, DraftTree, TargetForward, accept_greedy
+from specpass.drafters import DraftTree, TargetForward
 from specpass.ir.layout import SlotLayout
 
 
@@ -38,21 +37,6 @@ class CacheCursor:
         self.seen += accepted
 
 
-def _as_chain(tree: DraftTree) -> DraftTree:
-    """The branch through every node's first child: what a program without TreeAttention can verify."""
-    keep, node = [0], 0
-    while (nxt := next((i for i in range(node + 1, len(tree)) if tree.parents[i] == node), None)) is not None:
-        keep.append(nxt)
-        node = nxt
-    return DraftTree(
-        tuple(tree.tokens[i] for i in keep),
-        tuple(range(-1, len(keep) - 1)),
-        tuple(tree.scores[i] for i in keep),
-        tuple(tree.origins[i] for i in keep),
-        tuple(tree.drawn[i] for i in keep) if tree.drawn else (),  # each node's first child: its first draw
-    )
-
-
 class SequenceState:
     """One row of the decode loop (module docstring)."""
 
@@ -71,55 +55,48 @@ class SequenceState:
         self.finish: str | None = None
         self.finished_at = 0.0  # perf_counter() when the sequence finished
 
-    def start(self, program: DecodeProgram, topk: torch.Tensor, hidden: torch.Tensor, last_logits: torch.Tensor) -> None:
+    def start(self, topk: torch.Tensor, hidden: torch.Tensor, last_logits: torch.Tensor, draws: bool) -> TargetForward:
         """After the prompt's forward(s): topk [P, k] (host), hidden [P, H], last_logits [1, V] after the
-        prompt's last token. Chooses the first token and opens the drafter sessions."""
+        prompt's last token. Chooses the first token; returns what the drafters learn from the prompt.
+        draws: the drafter draws its drafts from draft laws (they are then accepted by the
+        multi-candidate rule when this row samples)."""
         choices = topk[:, 0].clone()  # [P]: only the last row is a choice the loop makes
         if not self.choice.plain_greedy:
             choices[-1] = self.choice(last_logits, self.tokens)[0]
-        prefill = TargetForward(topk, hidden, choices)
         self.tokens.append(int(choices[-1]))
         sampling = self.choice.sampling
-        sessions = [] if program.one_node else program.drafter.sessions(  # one-node trees: nothing to draft
-            self.tokens[: self.n_prompt], prefill, program.drafter_memory, program.draft, sampling.seed)
-        self.drafting = Drafting(sessions)
-        self.by_rule = program.drafter.draws and sampling.do_sample and sampling.acceptance == "auto"
+        self.by_rule = draws and sampling.do_sample and sampling.acceptance == "auto"
         # the multi-candidate rule's uniforms and residual draws
         self.rng = np.random.default_rng([sampling.seed, 0x6D63]) if self.by_rule else None
         stopped = self.stop is not None and self.stop(self.tokens)
         self._set_finish(_finished(self.tokens, self.n_prompt, self.max_new_tokens, self.eos, stopped))
+        return TargetForward(topk, hidden, choices)
 
-    def draft(self, program: DecodeProgram, room: int) -> DraftTree:
-        """This step's tree, at most `room` nodes (what the program verifies: a chain if no trees)."""
-        remaining = self.max_new_tokens - (len(self.tokens) - self.n_prompt)
-        if not self.drafting.sessions:  # one-node trees
-            return DraftTree((self.tokens[-1],), (-1,), (1.0,), (None,))
-        tree = self.drafting.draft(self.tokens, max_nodes=min(program.max_nodes, room), max_depth=remaining - 1)
-        return tree if program.verifies_trees else _as_chain(tree)
+    @property
+    def remaining(self) -> int:
+        """Tokens this row may still emit."""
+        return self.max_new_tokens - (len(self.tokens) - self.n_prompt)
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, topk: torch.Tensor,
-               resumed: bool = False) -> tuple[list[int], TargetForward]:  # fmt: skip
-        """The accepted path (node indices, root first) of `tree` verified as logits [T, V], hidden [T, H],
-        topk [T, k] (host), and what the drafters learn from the step (resumed: the verify resumed
-        above an early exit from the drafted states)."""
-        if self.by_rule and len(tree) > 1:  # drawn drafts: the multi-candidate rule
-            processed = self.choice.processed(logits, self.tokens, tree.parents, tree.tokens)  # [T, V]
-            path, last = accept_drawn(tree, node_laws(processed), self.rng)
-            choices = topk[:, 0].clone()  # [T]: off the path, the drafters read the greedy token
-            choices[path[:-1]] = torch.tensor([tree.tokens[i] for i in path[1:]], dtype=torch.long)
-            choices[path[-1]] = last
-        else:
-            plain = self.choice.plain_greedy
-            choices = topk[:, 0] if plain else self.choice(logits, self.tokens, tree.parents, tree.tokens)  # [T]
-            path = accept_greedy(tree, choices.tolist())
-        return path, TargetForward(topk, hidden, choices, resumed)
+    def choose(self, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+        """[T] int64 (host): the target's choice after each node of `tree` from its logits [T, V], for a
+        row that does not choose plainly greedily (processors, sampling)."""
+        return self.choice(logits, self.tokens, tree.parents, tree.tokens)
 
-    def advance(self, tree: DraftTree, verified: TargetForward, path: list[int]) -> None:
-        """After the path's commit: emit its tokens and the target's next one, let the drafters learn."""
-        new = [tree.tokens[i] for i in path[1:]] + [int(verified.choices[path[-1]])]
-        self.drafting.observe(tree, verified, path, self.tokens)
+    def accept_drawn(self, tree: DraftTree, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Drawn drafts by the multi-candidate rule: the accepted path and the choices [T] the drafters
+        read (off the path the greedy tokens `greedy` [T])."""
+        processed = self.choice.processed(logits, self.tokens, tree.parents, tree.tokens)  # [T, V]
+        path, last = accept_drawn(tree, node_laws(processed), self.rng)
+        choices = greedy.clone()  # [T]
+        choices[path[:-1]] = torch.tensor([tree.tokens[i] for i in path[1:]], dtype=torch.long)
+        choices[path[-1]] = last
+        return path, choices
+
+    def advance(self, new: list[int], size: int) -> None:
+        """After a step that verified `size` nodes and committed its path: emit `new` (the path's drafted
+        tokens, then the target's choice after its last node)."""
         self.forwards += 1
-        self.sizes.append(len(tree))
+        self.sizes.append(size)
         emitted, stopped = _emit(self.tokens, new, self.n_prompt, self.max_new_tokens, self.eos, self.stop)
         self.steps.append(emitted)
         self._set_finish(_finished(self.tokens, self.n_prompt, self.max_new_tokens, self.eos, stopped))

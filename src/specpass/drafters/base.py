@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -11,6 +12,7 @@ import torch
 
 from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import CandidateSource, DraftTree, build_tree
+from specpass.drafters.tree_rows import TreeRows
 from specpass.errors import InvalidParameterError
 from specpass.ir.draft import DraftGraphSpec
 
@@ -23,6 +25,60 @@ class TargetForward:
     hidden: torch.Tensor  # [T, H] on the model's device: final normed hidden states
     choices: torch.Tensor  # [T] int64 on the CPU: the token the target chose after each token (greedy or sampled)
     resumed: bool = False  # the forward resumed above an early exit from a session's precomputed states
+
+
+@dataclass(frozen=True)
+class VerifiedRows:
+    """What one verify forward tells the drafters about every row's tree (padding nodes' entries are
+    meaningless)."""
+
+    topk: torch.Tensor  # [B, T, k] int64 on the CPU
+    hidden: torch.Tensor  # [B, T, H] on the model's device
+    choices: torch.Tensor  # [B, T] int64 on the CPU: the target's choice after each node
+    resumed: bool = False
+
+    def row(self, b: int, size: int) -> TargetForward:
+        """Row b's first `size` nodes as a TargetForward."""
+        return TargetForward(self.topk[b, :size], self.hidden[b, :size], self.choices[b, :size], self.resumed)
+
+
+class RowsDrafting(ABC):
+    """The drafting of a batch's live rows during one generation: every step, one tree per row.
+
+    Row b of a call is the loop's live row b; `keep` follows the loop when rows finish."""
+
+    @abstractmethod
+    def draft(self, histories: Sequence[Sequence[int]], max_nodes: int, max_depths: Sequence[int]) -> TreeRows:
+        """Each row's tree rooted at its history's last token, at most max_nodes nodes and
+        max_depths[b] levels below the root."""
+
+    def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
+        """[B, T, H]: when every row's tree was already run through the layers below an early exit
+        (DraftSession.precomputed), those states (padding nodes' zeros); else None."""
+        return None
+
+    @abstractmethod
+    def observe(self, trees: TreeRows, verified: VerifiedRows, paths: Sequence[Sequence[int]],
+                histories: Sequence[Sequence[int]]) -> None:  # fmt: skip
+        """Learn from a verify step whose accepted paths (node indices, root first) are `paths`;
+        histories: each row's tokens up to and including its tree's root."""
+
+    @abstractmethod
+    def keep(self, rows: Sequence[int]) -> None:
+        """Only `rows` (ascending) go on, as rows 0, 1, ..."""
+
+
+class RootsOnly(RowsDrafting):
+    """One-node trees: nothing is drafted."""
+
+    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
+        return TreeRows.roots([h[-1] for h in histories])
+
+    def observe(self, trees, verified, paths, histories) -> None:
+        pass
+
+    def keep(self, rows) -> None:
+        pass
 
 
 class DraftModel(Protocol):
@@ -97,6 +153,18 @@ class Drafter(ABC):
     ) -> list[DraftSession]:  # fmt: skip
         return [self.start(prompt, prefill, memory, draft, seed)]
 
+    def rows(
+        self, prompts: Sequence[Sequence[int]], prefills: Sequence[TargetForward], memory: Any = None,
+        draft: DraftModel | None = None, seeds: Sequence[int] = (), drafting_row: Callable | None = None,
+    ) -> RowsDrafting:  # fmt: skip
+        """The drafting of a batch: prompts and prefills per row, seeds per row (default 0), and
+        drafting_row(b), a context in which a cache-sharing draft graph drafts for row b. Each row
+        runs its own sessions (`sessions`) and the best-first builder; a drafter that drafts all rows
+        at once overrides this (drafters.rows_drafting picks prompt lookup and Token Recycling's)."""
+        seeds = seeds or [0] * len(prompts)
+        rows = [Drafting(self.sessions(p, f, memory, draft, s)) for p, f, s in zip(prompts, prefills, seeds, strict=True)]
+        return PerRowDrafting(rows, drafting_row)
+
 
 @dataclass(frozen=True, init=False)
 class Combined(Drafter):
@@ -158,6 +226,37 @@ class Drafting:
             session.observe(tree, verified, path, tokens)
 
 
+class PerRowDrafting(RowsDrafting):
+    """Each row drafts with its own sessions and the best-first builder (drafters.tree.build_tree)."""
+
+    def __init__(self, rows: Sequence[Drafting], drafting_row: Callable[[int], Any] | None = None):
+        self.rows = list(rows)
+        self.drafting_row = drafting_row or (lambda b: contextlib.nullcontext())
+
+    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
+        trees = []
+        for b, (row, tokens, depth) in enumerate(zip(self.rows, histories, max_depths, strict=True)):
+            with self.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
+                trees.append(row.draft(tokens, max_nodes, depth))
+        return TreeRows.stack(trees)
+
+    def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
+        rows = [row.precomputed(trees.row(b)) for b, row in enumerate(self.rows)]
+        if any(r is None for r in rows):
+            return None
+        states = rows[0].new_zeros(len(rows), trees.width, rows[0].shape[-1])  # [B, T, H]
+        for b, r in enumerate(rows):
+            states[b, : r.shape[0]] = r
+        return states
+
+    def observe(self, trees, verified, paths, histories) -> None:
+        for b, (row, path, tokens) in enumerate(zip(self.rows, paths, histories, strict=True)):
+            row.observe(trees.row(b), verified.row(b, int(trees.sizes[b])), path, tokens)
+
+    def keep(self, rows) -> None:
+        self.rows = [self.rows[i] for i in rows]
+
+
 def expected_tokens(tree: DraftTree) -> list[float]:
     """expected[n-1]: expected tokens per step when verifying the first n nodes (bonus token included)."""
     out, total = [], 1.0
@@ -177,4 +276,5 @@ def check_params(owner: str, **params: object) -> None:
         _check_positive_int(owner, name, value)
 
 
-__all__ = ["Combined", "DraftModel", "DraftSession", "Drafter", "Drafting", "TargetForward", "check_params", "expected_tokens"]
+__all__ = ["Combined", "DraftModel", "DraftSession", "Drafter", "Drafting", "PerRowDrafting", "RootsOnly", "RowsDrafting",
+           "TargetForward", "VerifiedRows", "check_params", "expected_tokens"]

@@ -14,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from specpass.drafters.base import Drafter, DraftSession, check_params
 from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import Candidate
 
 
 # P(copied token accepted | its parent was), by the match length it would extend (capped at MAX_MATCH).
-_PRIORS = {1: 0.2, 2: 0.45, 3: 0.65, 4: 0.75, 5: 0.78, 6: 0.8, 7: 0.85}
+PRIORS = {1: 0.2, 2: 0.45, 3: 0.65, 4: 0.75, 5: 0.78, 6: 0.8, 7: 0.85}
+DEFAULT_PRIOR = 0.88  # past the longest match PRIORS names
 MAX_MATCH = 10
 
 
@@ -46,44 +49,34 @@ class PromptLookup(Drafter):
         return PromptLookupSession(self)
 
 
+def lookup_branches(history: np.ndarray, lengths: np.ndarray, config: PromptLookup) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's continuations of earlier occurrences of its last n tokens, n = max_ngram .. min_ngram,
+    longest match and most recent occurrence first, at most max_branches distinct ones (one that
+    repeats, or is a prefix of, one found before is skipped).
+
+    history [B, S] int64 (row b's tokens in [0, lengths[b])) -> branches [B, M, D] int64 (-1 past a
+    continuation's end; D = max_depth, M = max_branches) and matched [B, M] int64 (the match length
+    n; 0: no branch)."""
+    from specpass.drafters import kernels  # compiled on first use
+
+    return kernels.lookup_branches(history, lengths, config.max_ngram, config.min_ngram, config.max_depth,
+                                   config.max_branches)  # fmt: skip
+
+
 class PromptLookupSession(DraftSession):
+    """One row's branches for the best-first builder (when combined with a drafter that has no array
+    form; drafters.recycled_lookup drafts every row at once otherwise)."""
+
     def __init__(self, config: PromptLookup):
         self.config = config
         # P(next copied token accepted | previous accepted), keyed by the matched n-gram length.
-        self.stats = AcceptanceStats(_PRIORS, default=0.88)
-        self.index: dict[int, dict[tuple[int, ...], list[int]]] = {
-            n: {} for n in range(config.min_ngram, config.max_ngram + 1)
-        }
-        self.indexed = 0  # tokens[:indexed] have their n-grams (ending there) in the index
-
-    def _update_index(self, tokens: Sequence[int]) -> None:
-        for end in range(self.indexed, len(tokens)):
-            for n, table in self.index.items():
-                if end + 1 >= n:
-                    table.setdefault(tuple(tokens[end + 1 - n : end + 1]), []).append(end)
-        self.indexed = len(tokens)
+        self.stats = AcceptanceStats(PRIORS, default=DEFAULT_PRIOR)
 
     def branches(self, tokens: Sequence[int]) -> list[tuple[int, list[int]]]:
         """(matched n, continuation) pairs, longest match and most recent occurrence first."""
-        self._update_index(tokens)
-        config, last = self.config, len(tokens) - 1
-        found: list[tuple[int, list[int]]] = []
-        seen: set[tuple[int, ...]] = set()
-        for n in range(config.max_ngram, config.min_ngram - 1, -1):
-            if len(tokens) < n:
-                continue
-            for end in reversed(self.index[n].get(tuple(tokens[last + 1 - n :]), ())):
-                if end >= last:
-                    continue
-                continuation = list(tokens[end + 1 : end + 1 + config.max_depth])
-                key = tuple(continuation)
-                if key in seen or any(s[: len(key)] == key for s in seen):
-                    continue
-                seen.add(key)
-                found.append((n, continuation))
-                if len(found) >= config.max_branches:
-                    return found
-        return found
+        history = np.asarray(tokens, dtype=np.int64)[None, :]
+        branches, matched = lookup_branches(history, np.array([history.shape[1]]), self.config)
+        return [(int(n), [t for t in branch if t >= 0]) for n, branch in zip(matched[0].tolist(), branches[0].tolist()) if n > 0]
 
     def candidates(self, tokens: Sequence[int]):
         return _Branches(self.branches(tokens), self.stats)

@@ -2,7 +2,7 @@
 
 After every verify step the target's top-k next tokens at each tree node are kept as that token's
 successors (the paper's adjacency matrix, warm-started from the prompt's prefill logits); the tree
-grows best-first through those successors, ranked by the measured acceptance rate of each rank.
+grows through those successors, ranked by the measured acceptance rate of each rank.
 
 specpass keeps the successors twice: keyed by the node's token (the paper's matrix) and keyed by the
 node's last two tokens. The two-token entry, when one was seen, is the sharper guess (code repeats
@@ -10,7 +10,7 @@ local patterns); both compete in the tree on their own measured acceptance rates
 
 The table is the drafter's memory across generations (`new_memory`): as in the paper, each query
 inherits the table the previous queries left ("hot start"). The token-keyed rows are bounded by the
-vocabulary; the pair-keyed rows by `max_pairs`, least recently written evicted first.
+vocabulary; the pair-keyed rows by `max_pairs` hashed slots, a newer pair overwriting an older one.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specpass.drafters.base import Drafter, DraftSession, TargetForward, check_params
@@ -25,26 +26,63 @@ from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import DraftTree
 
 # P(accepted | parent accepted) by (table, rank), measured on development prompts (not the evaluation sets).
-_PRIORS = {("tok", 0): 0.3, ("tok", 1): 0.1, ("tok", 2): 0.05, ("ctx", 0): 0.45, ("ctx", 1): 0.1, ("ctx", 2): 0.05}
+PRIORS = {("tok", 0): 0.3, ("tok", 1): 0.1, ("tok", 2): 0.05, ("ctx", 0): 0.45, ("ctx", 1): 0.1, ("ctx", 2): 0.05}
+DEFAULT_PRIOR = 0.02  # the ranks PRIORS leaves out
 
 
 class SuccessorTable:
-    """Top-k successors seen after a token (`by_token`) and after a token pair (`by_pair`)."""
+    """Top-k successors seen after a token (`by_token`, [V, k]) and after a token pair (a hashed table
+    of `max_pairs` slots, rounded up to a power of two: a newer pair overwrites an older one in its slot).
 
-    def __init__(self, max_pairs: int):
-        self.max_pairs = max_pairs
-        self.by_token: dict[int, list[int]] = {}
-        self.by_pair: dict[tuple[int, int], list[int]] = {}
+    Arrays on the host, -1 where nothing was seen; the token table grows with the largest id written.
+    Rows of a batch and successive generations share one table (drafters.recycled_lookup reads and
+    writes it for all rows at once)."""
 
-    def write(self, previous: int, token: int, successors: list[int]) -> None:
-        self.by_token[token] = successors
-        self.by_pair.pop((previous, token), None)  # re-inserted last: dict order is write recency
-        self.by_pair[previous, token] = successors
-        if len(self.by_pair) > self.max_pairs:
-            del self.by_pair[next(iter(self.by_pair))]
+    def __init__(self, max_pairs: int, k: int):
+        self.k = k
+        self.by_token = np.full((1024, k), -1, dtype=np.int64)  # [V, k]
+        slots = 1 << max(int(max_pairs) - 1, 1).bit_length()
+        self.pair_keys = np.full(slots, -1, dtype=np.int64)  # [P]: the pair each slot holds
+        self.by_pair = np.full((slots, k), -1, dtype=np.int64)  # [P, k]
+
+    def write(self, previous: np.ndarray, tokens: np.ndarray, successors: np.ndarray) -> None:
+        """previous, tokens [n] int64, successors [n, <= k]: rows written in order (a later one wins)."""
+        from specpass.drafters import kernels  # compiled on first use
+
+        if tokens.size == 0:
+            return
+        self.reserve(int(tokens.max()))
+        kernels.write_successors(self.by_token, self.pair_keys, self.by_pair, np.ascontiguousarray(previous, dtype=np.int64),
+                                 np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(successors, dtype=np.int64))  # fmt: skip
+
+    def reserve(self, token: int) -> None:
+        """Grow the token table to hold a row for `token`."""
+        if token >= self.by_token.shape[0]:
+            grow = max(token + 1, 2 * self.by_token.shape[0]) - self.by_token.shape[0]
+            self.by_token = np.concatenate([self.by_token, np.full((grow, self.k), -1, dtype=np.int64)])
+
+    def after_token(self, tokens: np.ndarray) -> np.ndarray:
+        """[..., k]: the successors seen after each token (-1 rows for unseen ones)."""
+        inside = tokens < self.by_token.shape[0]
+        return np.where(inside[..., None], self.by_token[np.where(inside, tokens, 0)], -1)
+
+    def after_pair(self, previous: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """[..., k]: the successors seen after each (previous, token) pair (-1 rows for unseen ones)."""
+        from specpass.drafters.kernels import PAIR_MULTIPLIERS, PAIR_SHIFT  # kernels.pair_slot over arrays
+
+        keys = (previous + 1) * (1 << 32) + tokens
+        slots = (((previous + 1) * PAIR_MULTIPLIERS[0] + tokens * PAIR_MULTIPLIERS[1]) >> PAIR_SHIFT) & (self.pair_keys.shape[0] - 1)
+        return np.where((self.pair_keys[slots] == keys)[..., None], self.by_pair[slots], -1)
+
+    def write_prompt(self, prompt: Sequence[int], topk: torch.Tensor) -> None:
+        """A prompt's tokens with the target's top next tokens after each, topk [P, >= k] (host)."""
+        tokens = np.asarray(prompt, dtype=np.int64)
+        previous = np.concatenate([[-1], tokens[:-1]])
+        self.write(previous, tokens, topk[:, : self.k].numpy())
 
     def __len__(self) -> int:
-        return len(self.by_token)
+        """Tokens with successors."""
+        return int((self.by_token[:, 0] >= 0).sum())
 
 
 @dataclass(frozen=True)
@@ -64,7 +102,7 @@ class TokenRecycling(Drafter):
         return self.top_k
 
     def new_memory(self) -> SuccessorTable:
-        return SuccessorTable(self.max_pairs)
+        return SuccessorTable(self.max_pairs, self.top_k)
 
     def start(self, prompt: Sequence[int], prefill: TargetForward, memory=None, draft=None, seed=0) -> DraftSession:
         table = memory if memory is not None else self.new_memory()
@@ -72,26 +110,27 @@ class TokenRecycling(Drafter):
 
 
 class TokenRecyclingSession(DraftSession):
+    """One row's view of the table for the best-first builder (when combined with a drafter that has
+    no array form; drafters.recycled_lookup drafts every row at once otherwise)."""
+
     def __init__(self, config: TokenRecycling, prompt: Sequence[int], prompt_topk: torch.Tensor, table: SuccessorTable):
         self.k = min(config.top_k, prompt_topk.shape[-1])
-        self.stats = AcceptanceStats(_PRIORS, default=0.02)
+        self.stats = AcceptanceStats(PRIORS, default=DEFAULT_PRIOR)
         self.table = table
         self.token_keys = [("tok", r) for r in range(self.k)]  # the acceptance stats' key per rank
         self.pair_keys = [("ctx", r) for r in range(self.k)]
-        previous = -1
-        for token, top in zip(prompt, prompt_topk[:, : self.k].tolist()):
-            table.write(previous, token, top)
-            previous = token
+        table.write_prompt(prompt, prompt_topk)
 
     def successors(self, previous: int, token: int, rates: tuple[list[float], list[float]]) -> list[tuple]:
         """Candidates (bare Candidate tuples: this runs for every node of every tree) after `token`
         preceded by `previous`, keyed by (table, rank), with `rates` = (the token table's rate per rank,
         the pair table's); a candidate's state is `token`, the previous token of its own successors."""
         by_token, by_pair = rates
-        out = [(t, by_token[r], self.token_keys[r], token) for r, t in enumerate(self.table.by_token.get(token, ()))]
-        pair = self.table.by_pair.get((previous, token), ())
-        out += [(t, by_pair[r], self.pair_keys[r], token) for r, t in enumerate(pair)]
-        return out
+        table = self.table
+        after = table.after_token(np.array(token)).tolist()[: self.k]
+        pair = table.after_pair(np.array(previous), np.array(token)).tolist()[: self.k]
+        out = [(t, by_token[r], self.token_keys[r], token) for r, t in enumerate(after) if t >= 0]
+        return out + [(t, by_pair[r], self.pair_keys[r], token) for r, t in enumerate(pair) if t >= 0]
 
     def candidates(self, tokens: Sequence[int]):
         rates = [self.stats.rate(key) for key in self.token_keys], [self.stats.rate(key) for key in self.pair_keys]
@@ -99,9 +138,10 @@ class TokenRecyclingSession(DraftSession):
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         root_previous = tokens[-2] if len(tokens) > 1 else -1  # tokens ends with the tree's root
-        for i, top in enumerate(verified.topk[:, : self.k].tolist()):
-            parent = tree.parents[i]
-            self.table.write(tree.tokens[parent] if parent >= 0 else root_previous, tree.tokens[i], top)
+        parents = np.asarray(tree.parents)
+        node_tokens = np.asarray(tree.tokens)
+        previous = np.where(parents >= 0, node_tokens[np.maximum(parents, 0)], root_previous)
+        self.table.write(previous, node_tokens, verified.topk[:, : self.k].numpy())
 
 
 class _Successors:

@@ -1,0 +1,152 @@
+"""Drafting every row at once (drafters.recycled_lookup, drafters.kernels) equals each row's own sessions
+and the best-first builder; acceptance over rows equals accept_greedy; the rows' tree arrays."""
+
+import numpy as np
+import pytest
+import torch
+
+from specpass.backends.runtime.acceptance import accept_rows
+from specpass.drafters import (
+    Combined, Drafting, DraftTree, PromptLookup, TargetForward, TokenRecycling, TreeRows, VerifiedRows, accept_greedy,
+)  # fmt: skip
+from specpass.drafters.prompt_lookup import lookup_branches
+from specpass.drafters.recycled_lookup import RecycledLookup, recycled_lookup, rows_drafting
+from specpass.drafters.tree_rows import first_branches
+
+
+def _prefill(prompt: list[int], vocab: int, gen: torch.Generator) -> TargetForward:
+    n = len(prompt)
+    return TargetForward(torch.randint(0, vocab, (n, 8), generator=gen), torch.zeros(n, 4), torch.zeros(n, dtype=torch.long))
+
+
+def _reference_branches(tokens: list[int], config: PromptLookup) -> list[tuple[int, list[int]]]:
+    """Prompt lookup's branches by the definition: longest match, then most recent occurrence; a
+    continuation equal to or a prefix of an earlier one skipped."""
+    found: list[tuple[int, list[int]]] = []
+    last = len(tokens) - 1
+    for n in range(config.max_ngram, config.min_ngram - 1, -1):
+        if len(tokens) < n:
+            continue
+        for end in range(last - 1, n - 2, -1):
+            if tokens[end + 1 - n : end + 1] != tokens[last + 1 - n :]:
+                continue
+            continuation = tokens[end + 1 : end + 1 + config.max_depth]
+            if any(c[: len(continuation)] == continuation for _, c in found):
+                continue
+            found.append((n, continuation))
+            if len(found) == config.max_branches:
+                return found
+    return found
+
+
+def test_lookup_branches_follow_their_definition_over_rows():
+    gen = np.random.default_rng(0)
+    config = PromptLookup(max_ngram=3, min_ngram=1, max_depth=5, max_branches=4)
+    rows = [gen.integers(0, vocab, size).tolist() for vocab, size in [(4, 40), (6, 25), (3, 9), (50, 30), (2, 1), (5, 3)]]
+    history = np.full((len(rows), 48), -7, dtype=np.int64)  # junk past each row's end
+    for b, row in enumerate(rows):
+        history[b, : len(row)] = row
+    branches, matched = lookup_branches(history, np.array([len(r) for r in rows]), config)
+    for b, row in enumerate(rows):
+        got = [(int(n), [t for t in branch if t >= 0]) for n, branch in zip(matched[b], branches[b].tolist()) if n > 0]
+        assert got == _reference_branches(row, config)
+    assert matched[0].min() > 0 and matched[4].max() == 0  # a long row fills every branch; one token has none
+
+
+@pytest.mark.parametrize("drafters", ["combined", "lookup", "recycling"])
+def test_rows_drafted_at_once_equal_each_rows_best_first_tree(drafters):
+    """Random rows and a learned table: every row's tree (tokens, parents, scores, stats keys) is the one
+    its own sessions and build_tree make, also after both learn from the same verify steps."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 7  # few tokens: many merges, repeated n-grams and score ties
+    parts = {"combined": (PromptLookup(max_depth=6), TokenRecycling(top_k=3)), "lookup": (PromptLookup(max_depth=6),),
+             "recycling": (TokenRecycling(top_k=3),)}[drafters]  # fmt: skip
+    drafter = Combined(*parts)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (12, 5, 20, 2)]
+    prefills = [_prefill(p, vocab, gen) for p in prompts]
+    rows = rows_drafting(drafter, prompts, prefills, drafter.new_memory())
+    assert isinstance(rows, RecycledLookup)
+    shared = drafter.new_memory()  # the rows share one table, as the rows drafted at once do
+    alone = [Drafting(drafter.sessions(p, f, shared)) for p, f in zip(prompts, prefills)]
+    histories = [list(p) for p in prompts]
+    k = 3 if drafters != "lookup" else 0
+    for step in range(6):
+        max_nodes, depths = (5, 12, 30)[step % 3], [6, 0, 3, 9]
+        trees = rows.draft(histories, max_nodes, depths)
+        expected_trees = [row.draft(history, max_nodes, depth) for row, history, depth in zip(alone, histories, depths)]
+        for b, (row, expected) in enumerate(zip(alone, expected_trees)):
+            got = trees.row(b)
+            assert got.tokens == expected.tokens and got.parents == expected.parents
+            assert np.allclose(got.scores, expected.scores, rtol=1e-12)
+            keys = [_key(origin, row, k) for origin in expected.origins]
+            assert trees.origins[b, : len(expected)].tolist() == keys
+            assert not trees.ancestors[b, len(expected) :, : len(expected)].any()  # padding sees only itself
+        # one verify step: random target top-k, the greedy path, then both learn from it
+        topk = torch.randint(0, vocab, (len(prompts), trees.width, 8), generator=gen)
+        paths = accept_rows(trees.tokens, trees.parents, trees.sizes, topk[..., 0].numpy())
+        verified = VerifiedRows(topk, torch.zeros(len(prompts), trees.width, 4), topk[..., 0])
+        rows.observe(trees, verified, paths, histories)
+        for b, (row, history, tree) in enumerate(zip(alone, histories, expected_trees)):
+            row.observe(tree, verified.row(b, len(tree)), paths[b], history)
+            history += [tree.tokens[i] for i in paths[b][1:]] + [int(topk[b, paths[b][-1], 0])]
+        if k:  # both tables learned the same rows
+            assert np.array_equal(shared[-1].by_token, rows.table.by_token)
+            assert np.array_equal(shared[-1].by_pair, rows.table.by_pair)
+
+
+def _key(origin, drafting: Drafting, k: int) -> int:
+    """The array form's stats key of a per-row tree's origin (recycled_lookup.RecycledLookup)."""
+    if origin is None:
+        return -1
+    source, key = origin
+    if isinstance(key, tuple):  # Token Recycling: (table, rank)
+        return (0 if key[0] == "tok" else k) + key[1]
+    return 2 * k + key  # prompt lookup: the match length
+
+
+def test_only_prompt_lookup_and_token_recycling_draft_rows_at_once():
+    from specpass.drafters import PerRowDrafting, Suffix
+
+    prefill = _prefill([1, 2], 5, torch.Generator())
+    assert isinstance(rows_drafting(TokenRecycling(), [[1, 2]], [prefill]), RecycledLookup)
+    assert isinstance(rows_drafting(Combined(PromptLookup(), Suffix()), [[1, 2]], [prefill]), PerRowDrafting)
+
+    memory = (None, TokenRecycling().new_memory())
+    assert recycled_lookup((PromptLookup(), TokenRecycling()), [[1, 2]], [_prefill([1, 2], 5, torch.Generator())], memory)
+    assert recycled_lookup((PromptLookup(), Suffix()), [[1]], [None], None) is None
+    assert recycled_lookup((PromptLookup(), PromptLookup()), [[1]], [None], None) is None
+
+
+def test_acceptance_over_rows_equals_accept_greedy():
+    gen = np.random.default_rng(3)
+    trees = []
+    for _ in range(40):
+        n = int(gen.integers(1, 12))
+        parents = [-1] + [int(gen.integers(0, i)) for i in range(1, n)]
+        tokens, seen = [int(gen.integers(0, 3))], set()
+        for i in range(1, n):  # siblings distinct, as the builders make them
+            token = int(gen.integers(0, 3))
+            while (parents[i], token) in seen:
+                token += 1
+            seen.add((parents[i], token))
+            tokens.append(token)
+        trees.append(DraftTree(tuple(tokens), tuple(parents), (1.0,) * n, (None,) * n))
+    rows = TreeRows.stack(trees)
+    choices = gen.integers(0, 4, rows.tokens.shape)
+    paths = accept_rows(rows.tokens, rows.parents, rows.sizes, choices)
+    assert paths == [accept_greedy(t, choices[b].tolist()) for b, t in enumerate(trees)]
+    assert any(len(p) > 2 for p in paths)
+
+
+def test_tree_rows_prefixes_and_first_branches():
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0, 0.5, 0.4, 0.3, 0.2), (None,) * 5)
+    rows = TreeRows.stack([tree, DraftTree.chain([1, 2])])
+    assert rows.width == 5 and rows.sizes.tolist() == [5, 2]
+    assert rows.expected_tokens()[0].tolist() == pytest.approx([1.0, 1.5, 1.9, 2.2, 2.4])
+    assert rows.expected_tokens()[1].tolist() == [1.0, 2.0, 2.0, 2.0, 2.0]  # flat past the row's size
+    cut = rows.prefix(3)
+    assert cut.row(0) == tree.prefix(3) and cut.sizes.tolist() == [3, 2] and cut.parents[1].tolist() == [-1, 0, -1]
+    chains = first_branches(rows)
+    assert chains.row(0).tokens == (5, 6, 8, 9) and chains.row(0).is_chain() and chains.row(1).tokens == (1, 2)
+    assert chains.ancestors[0].tolist() == np.tril(np.ones((4, 4), dtype=bool)).tolist()
+    assert chains.ancestors[1, 2:, :].tolist() == [[False, False, True, False], [False, False, False, True]]
