@@ -83,14 +83,6 @@ class TreeRows:
         return DraftTree(tuple(self.tokens[b, :size].tolist()), tuple(self.parents[b, :size].tolist()),
                          tuple(self.scores[b, :size].tolist()), (None,) * size)  # fmt: skip
 
-    def select(self, rows: Sequence[int]) -> TreeRows:
-        """The rows `rows`, in that order."""
-        index = np.asarray(rows, dtype=np.int64)
-        trees = tuple(self.trees[i] for i in rows) if self.trees is not None else None
-        origins = self.origins[index] if self.origins is not None else None
-        return TreeRows(self.tokens[index], self.parents[index], self.scores[index], self.sizes[index],
-                        self.ancestors[index], trees, origins)  # fmt: skip
-
 
 def first_branches(trees: TreeRows) -> TreeRows:
     """Each row's branch through every node's first child: what a program without tree attention verifies."""
