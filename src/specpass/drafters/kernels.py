@@ -248,15 +248,31 @@ def write_successors(by_token, pair_keys, by_pair, previous, tokens, successors)
     """Token Recycling's table rows: tokens[i] (preceded by previous[i]) is followed by successors[i]
     (ranks 0, 1, ...; -1 past the given ones), written in order (a later row wins). by_token must
     have a row for every token."""
-    k = by_token.shape[1]
     for i in range(tokens.shape[0]):
-        token = tokens[i]
-        key, slot = pair_slot(previous[i], token, pair_keys.shape[0])
-        pair_keys[slot] = key
-        for r in range(k):
-            successor = successors[i, r] if r < successors.shape[1] else -1
-            by_token[token, r] = successor
-            by_pair[slot, r] = successor
+        _write_row(by_token, pair_keys, by_pair, previous[i], tokens[i], successors[i])
+
+
+@numba.njit(cache=True)
+def _write_row(by_token, pair_keys, by_pair, previous, token, successors) -> None:
+    """One table row: `token` (preceded by `previous`) is followed by successors [k'] (-1 past k')."""
+    key, slot = pair_slot(previous, token, pair_keys.shape[0])
+    pair_keys[slot] = key
+    for r in range(by_token.shape[1]):
+        successor = successors[r] if r < successors.shape[0] else -1
+        by_token[token, r] = successor
+        by_pair[slot, r] = successor
+
+
+@numba.njit(cache=True)
+def pair_rows(pair_keys, by_pair, previous, tokens):
+    """previous, tokens [n] -> [n, k]: the pair table's row of each (previous, token), -1 rows where
+    the slot holds another pair or none."""
+    rows = np.full((tokens.shape[0], by_pair.shape[1]), -1, np.int64)
+    for i in range(tokens.shape[0]):
+        key, slot = pair_slot(previous[i], tokens[i], pair_keys.shape[0])
+        if pair_keys[slot] == key:
+            rows[i] = by_pair[slot]
+    return rows
 
 
 @numba.njit(cache=True)
@@ -268,7 +284,6 @@ def learn(tokens, parents, origins, sizes, paths, lengths, root_previous, topk, 
     table (by_token has rows for every token), every node's successors are the target's top-k after
     it (topk [B, T, k'], -1 past k'), row after row, node after node (a later write wins)."""
     on_path = np.zeros(parents.shape[1], np.bool_)
-    k = by_token.shape[1]
     start = 0
     for b in range(parents.shape[0]):
         on_path[:] = False
@@ -284,11 +299,5 @@ def learn(tokens, parents, origins, sizes, paths, lengths, root_previous, topk, 
         if by_token.shape[0] == 0:
             continue
         for i in range(sizes[b]):
-            token = tokens[b, i]
             before = root_previous[b] if parents[b, i] < 0 else tokens[b, parents[b, i]]
-            key, slot = pair_slot(before, token, pair_keys.shape[0])
-            pair_keys[slot] = key
-            for r in range(k):
-                successor = topk[b, i, r] if r < topk.shape[2] else -1
-                by_token[token, r] = successor
-                by_pair[slot, r] = successor
+            _write_row(by_token, pair_keys, by_pair, before, tokens[b, i], topk[b, i])

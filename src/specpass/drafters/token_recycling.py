@@ -68,11 +68,11 @@ class SuccessorTable:
 
     def after_pair(self, previous: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """[..., k]: the successors seen after each (previous, token) pair (-1 rows for unseen ones)."""
-        from specpass.drafters.kernels import PAIR_MULTIPLIERS, PAIR_SHIFT  # kernels.pair_slot over arrays
+        from specpass.drafters import kernels  # compiled on first use
 
-        keys = (previous + 1) * (1 << 32) + tokens
-        slots = (((previous + 1) * PAIR_MULTIPLIERS[0] + tokens * PAIR_MULTIPLIERS[1]) >> PAIR_SHIFT) & (self.pair_keys.shape[0] - 1)
-        return np.where((self.pair_keys[slots] == keys)[..., None], self.by_pair[slots], -1)
+        previous, tokens = np.broadcast_arrays(np.asarray(previous, dtype=np.int64), np.asarray(tokens, dtype=np.int64))
+        rows = kernels.pair_rows(self.pair_keys, self.by_pair, previous.ravel().copy(), tokens.ravel().copy())
+        return rows.reshape(*tokens.shape, self.k)
 
     def write_prompt(self, prompt: Sequence[int], topk: torch.Tensor) -> None:
         """A prompt's tokens with the target's top next tokens after each, topk [P, >= k] (host)."""
