@@ -40,7 +40,7 @@ from specpass.drafters.tree_rows import TreeRows, first_branches
 from specpass.errors import InvalidParameterError
 from specpass.ir.layout import RowsLayout
 
-PREFILL_TOKENS = 512  # tokens per prefill forward, over all rows (bounds the prompt's logits in memory)
+PREFILL_LOGITS_BYTES = 256 * 2**20  # a prefill forward's float32 logits [B, T, V] stay within this
 MIN_DRAFTED = 4  # the fewest nodes a row drafts under the cost budget (the tree grows from there by doubling)
 
 
@@ -219,12 +219,12 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
 
 
 def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> RowsDrafting:
-    """Every row's prompt through `feed` (at most PREFILL_TOKENS tokens a forward over all rows); then
+    """Every row's prompt through `feed` (forwards whose logits fit in PREFILL_LOGITS_BYTES); then
     each row chooses its first token, and the rows' drafting starts."""
     topks: list[list[torch.Tensor]] = [[] for _ in seqs]
     hiddens: list[list[torch.Tensor]] = [[] for _ in seqs]
     last: list[torch.Tensor | None] = [None] * len(seqs)
-    piece = max(1, PREFILL_TOKENS // len(seqs))
+    piece = max(1, PREFILL_LOGITS_BYTES // (4 * program.vocab_size * len(seqs)))  # tokens a row per forward
     prompts = [s.tokens[: s.n_prompt] for s in seqs]
     for logits, hidden, counts in feed(program, prompts, [s.cursor for s in seqs], piece):
         topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]
