@@ -72,6 +72,7 @@ def main() -> None:
     configs = {
         "one_node": {"pipeline": specpass.Pipeline(TreeAttention(1)), "budget": 1, "lowering": "eager"},
         "default_drafter": {"lowering": "eager"},
+        "default_drafter_inductor": {"lowering": "inductor"},  # the same loop, the forward compiled
     }
     results = {}
     for b in args.batches:

@@ -118,7 +118,7 @@ def test_self_draft_through_an_adapter_equals_hf_greedy(tmp_path):
 def test_generate_corpus_catches_the_exit_layers_input_as_a_forward_computes_it():
     model = tiny_model()
     prompts = [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 7)]
-    corpus = generate_corpus(model, prompts, max_new_tokens=10, batch_size=2, progress=False, exit_layer=1)
+    corpus = generate_corpus(model, prompts, max_new_tokens=10, batch_size=2, progress=False, layers=(1,))
     caught = exit_data(model, corpus, 1)
     recomputed = exit_data(model, [Continuation(c.tokens, c.start) for c in corpus], 1)
     torch.testing.assert_close(caught.exit_hidden, recomputed.exit_hidden, rtol=1e-4, atol=1e-4)
@@ -135,8 +135,8 @@ def test_training_moves_the_adapter_toward_the_model_and_saves_it(tmp_path):
         model.lm_head.weight.mul_(8.0)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 96, (1, 6), generator=gen) for _ in range(24)]
-    corpus = generate_corpus(model, prompts[:20], max_new_tokens=24, progress=False, exit_layer=1)
-    held_out = generate_corpus(model, prompts[20:], max_new_tokens=24, progress=False, exit_layer=1)
+    corpus = generate_corpus(model, prompts[:20], max_new_tokens=24, progress=False, layers=(1,))
+    held_out = generate_corpus(model, prompts[20:], max_new_tokens=24, progress=False, layers=(1,))
     config = ExitTrainConfig(layer=1, inner_size=64, epochs=30, batch_size=64, lr=3e-3, draft_vocab=96)
     adapter, result, report = train_exit_adapter(model, corpus, held_out, config, str(tmp_path), progress=False)
     assert report["losses"][-1] < 0.5 * report["losses"][0]

@@ -226,40 +226,57 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
     from specpass.errors import InvalidParameterError
     from specpass.heads.exit_training import ExitTrainConfig, train_exit_adapter
+    from specpass.heads.feature_draft import default_feature_layers
+    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
     from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
     from specpass.models import load_model
     from specpass.research.training_prompts import held_out_prompts, training_prompts
 
     given = {"prompts": args.prompts, "epochs": args.epochs, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
              "held_out": args.held_out, "draft_vocab": args.draft_vocab}  # fmt: skip
-    adapter = args.kind == "exit-adapter"
-    if adapter:
-        if args.heads is not None:
-            raise InvalidParameterError("--heads is for draft heads; an exit adapter takes --layer")
+    kind = args.kind
+    if kind != "exit-adapter" and any(v is not None for v in (args.layer, args.blocks, args.inner_size)):
+        raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
+    if kind not in ("medusa", "hydra") and args.heads is not None:
+        raise InvalidParameterError(f"--heads is for draft heads (--kind medusa or hydra), not --kind {kind}")
+    if kind != "eagle" and args.chain_steps is not None:
+        raise InvalidParameterError("--chain-steps is for --kind eagle")
+    if kind == "exit-adapter":
         given |= {"layer": args.layer, "blocks": args.blocks, "inner_size": args.inner_size}
+        config_type = ExitTrainConfig
+    elif kind == "eagle":
+        given |= {"steps": args.chain_steps}
+        config_type = FeatureTrainConfig
     else:
-        if any(v is not None for v in (args.layer, args.blocks, args.inner_size)):
-            raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
-        given |= {"kind": args.kind, "num_heads": args.heads}
-    config = (ExitTrainConfig if adapter else TrainConfig)(**{k: v for k, v in given.items() if v is not None})
-    exit_layer = config.layer if adapter else None
+        given |= {"kind": kind, "num_heads": args.heads}
+        config_type = TrainConfig
+    config = config_type(**{k: v for k, v in given.items() if v is not None})
     model, tokenizer, _ = load_model(args.model, device=args.device)
+    layers = {"exit-adapter": lambda: (config.layer,), "eagle": lambda: default_feature_layers(len(model.model.layers))}
+    layers = layers.get(kind, tuple)()
     if args.corpus and os.path.exists(args.corpus):
         corpus = [Continuation(tokens, start) for tokens, start in torch.load(args.corpus)]
         print(f"corpus: {len(corpus)} sequences from {args.corpus}")
     else:
         prompts = training_prompts(tokenizer, config.prompts)
-        corpus = generate_corpus(model, prompts, config.max_new_tokens, exit_layer=exit_layer)
+        corpus = generate_corpus(model, prompts, config.max_new_tokens, layers=layers)
         if args.corpus:
             torch.save([(c.tokens, c.start) for c in corpus], args.corpus)
     held_prompts = held_out_prompts(tokenizer, config.held_out)
-    held_out = generate_corpus(model, held_prompts, config.max_new_tokens, exit_layer=exit_layer)
-    if adapter:
+    held_out = generate_corpus(model, held_prompts, config.max_new_tokens, layers=layers)
+    if kind == "exit-adapter":
         _, result, report = train_exit_adapter(model, corpus, held_out, config, out_dir=args.out)
         print(f"wrote {args.out}: an exit adapter after layer {result.layer} for model {result.model}, "
               f"a draft vocabulary of {result.draft_vocab} tokens")
         print(f"  held-out top-1 agreement with the model: {report['adapter_agreement']:.3f} "
               f"(the plain exit after layer {result.layer}: {report['plain_exit_agreement']:.3f})")
+        return 0
+    if kind == "eagle":
+        _, draft, _ = train_feature_draft(model, corpus, held_out, config, layers, out_dir=args.out)
+        print(f"wrote {args.out}: a feature draft over layers {draft.feature_layers} for model {draft.model}, "
+              f"a draft vocabulary of {draft.draft_vocab} tokens")
+        for d, row in enumerate(draft.accuracy, start=1):
+            print(f"  depth {d}: held-out top-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f}")
         return 0
     _, heads, _ = train_heads(model, corpus, held_out, config, out_dir=args.out)
     vocab = f"a draft vocabulary of {heads.draft_vocab} tokens" if heads.draft_vocab else "the whole vocabulary"
@@ -351,17 +368,22 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
     exp.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ORT/PyTorch comparison")
     exp.set_defaults(run=cmd_export)
-    heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads, or an exit adapter, for a model")
+    heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads, an exit adapter or a feature "
+                           "draft (EAGLE-3 style) for a model")  # fmt: skip
     heads.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
-    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter"), default="medusa")
-    heads.add_argument("--out", required=True, help="output directory (heads or exit_adapter .safetensors + .json)")
+    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter", "eagle"), default="medusa")
+    heads.add_argument("--out", required=True,
+                       help="output directory (heads, exit_adapter or feature_draft .safetensors + .json)")
     heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
     heads.add_argument("--layer", type=int, help="exit-adapter: it reads the stream after layers [0, layer) (default 4)")
     heads.add_argument("--blocks", type=int, help="exit-adapter: residual MLP blocks (default 1)")
     heads.add_argument("--inner-size", type=int, help="exit-adapter: each block's MLP width (default 1536)")
+    heads.add_argument("--chain-steps", type=int,
+                       help="eagle: draft steps trained at once on the draft's own states (default 4)")
     heads.add_argument("--prompts", type=int,
-                       help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000)")
-    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2)")
+                       help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000, "
+                       "eagle 1000)")
+    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2; eagle 4)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 128)")
     heads.add_argument("--seed", type=int, help="(default 0)")
     heads.add_argument("--held-out", type=int,

@@ -13,6 +13,15 @@ class InvalidParameterError(SpecpassError, ValueError):
     """A pass, drafter or generation parameter is out of range."""
 
 
+def require_positive_ints(config, names: tuple[str, ...], owner: str = "") -> None:
+    """Refuse a config whose fields `names` are not all ints >= 1 (a bool is not an int here); `owner`
+    prefixes the field's name in the message."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidParameterError(f"{owner}{name} must be a positive int, got {value!r}")
+
+
 class PassMismatchError(SpecpassError):
     """A pass does not match the graph; the graph is left unchanged."""
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpass.errors import InvalidParameterError
+from specpass.errors import InvalidParameterError, require_positive_ints
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,8 @@ class ExitAdapterConfig:
     agreement: float = 0.0  # held-out top-1 agreement with the full model's greedy token (0: not measured)
 
     def __post_init__(self):
-        for name in ("layer", "hidden_size", "inner_size", "blocks", "vocab_size", "draft_vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameterError(f"ExitAdapterConfig.{name} must be a positive int, got {value!r}")
+        names = ("layer", "hidden_size", "inner_size", "blocks", "vocab_size", "draft_vocab")
+        require_positive_ints(self, names, "ExitAdapterConfig.")
         if self.draft_vocab > self.vocab_size:
             raise InvalidParameterError(f"draft_vocab {self.draft_vocab} exceeds the vocabulary ({self.vocab_size})")
 
@@ -122,11 +120,8 @@ def read_exit_adapter_config(directory: str) -> ExitAdapterConfig:
 
 def load_exit_adapter(directory: str, lm_head: nn.Module) -> ExitAdapter:
     """The adapter in `directory`, on the LM head's device and dtype; refused for another model."""
-    from specpass.heads.io import ADAPTER_WEIGHTS, check_model, load_weights
+    from specpass.heads.io import ADAPTER_WEIGHTS, load_for_model
 
     config = read_exit_adapter_config(directory)
-    check_model(config.model, lm_head, directory, "exit adapter")
-    adapter = ExitAdapter(config)
-    load_weights(adapter, directory, ADAPTER_WEIGHTS, ADAPTER_HINT)
-    weight = lm_head.weight
-    return adapter.to(device=weight.device, dtype=weight.dtype).eval()
+    return load_for_model(ExitAdapter(config), config.model, lm_head, directory, ADAPTER_WEIGHTS, ADAPTER_HINT,
+                          "exit adapter")  # fmt: skip

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpass.errors import InvalidParameterError
+from specpass.errors import InvalidParameterError, require_positive_ints
 from specpass.heads.exit_adapter import ExitAdapter, ExitAdapterConfig, plain_exit_adapter, save_exit_adapter
 from specpass.heads.io import model_fingerprint
 from specpass.heads.modules import draft_vocabulary
@@ -47,11 +47,8 @@ class ExitTrainConfig:
     draft_vocab: int = 8192
 
     def __post_init__(self):
-        for name in ("layer", "blocks", "inner_size", "prompts", "max_new_tokens", "epochs", "batch_size",
-                     "held_out", "draft_vocab"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameterError(f"{name} must be a positive int, got {value!r}")
+        require_positive_ints(self, ("layer", "blocks", "inner_size", "prompts", "max_new_tokens", "epochs",
+                                     "batch_size", "held_out", "draft_vocab"))  # fmt: skip
         if not self.lr > 0:
             raise InvalidParameterError(f"lr must be positive, got {self.lr}")
 
@@ -71,10 +68,10 @@ class ExitData:
 def exit_data(model: nn.Module, corpus: list[Continuation], layer: int, chunk: int = 2048) -> ExitData:
     """Every position t < L - 1 of every sequence: its exit state and the model's law of x[t+1]. States
     come from the corpus when generate_corpus caught them for this layer, else from batched forwards."""
-    missing = iter(_states(model, [seq.tokens for seq in corpus if seq.exit_hidden is None], layer))
+    missing = iter(_states(model, [seq.tokens for seq in corpus if seq.layer_states is None], layer))
     exit_states, final_states, generated = [], [], []
     for seq in corpus:
-        final, exit = (seq.hidden, seq.exit_hidden) if seq.exit_hidden is not None else next(missing)
+        final, exit = (seq.hidden, seq.layer_states[:, 0]) if seq.layer_states is not None else next(missing)
         exit_states.append(exit)
         final_states.append(final)
         generated.append(torch.arange(len(seq.tokens) - 1) >= seq.start)

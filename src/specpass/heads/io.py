@@ -93,6 +93,16 @@ def check_model(trained_for: str, lm_head: nn.Module, directory: str, what: str)
         raise HeadsMismatchError(f"the {what} in {directory}: trained for model {trained_for}, this model is {identity}")
 
 
+def load_for_model(module: nn.Module, trained_for: str, lm_head: nn.Module, directory: str, weights: str,
+                   hint: str, what: str) -> nn.Module:  # fmt: skip
+    """`module` (built from its config) with its weights from `directory`, on the LM head's device and
+    dtype, in eval mode; refused when it was trained for another model than `lm_head`'s."""
+    check_model(trained_for, lm_head, directory, what)
+    load_weights(module, directory, weights, hint)
+    weight = lm_head.weight
+    return module.to(device=weight.device, dtype=weight.dtype).eval()
+
+
 def model_mismatch(what: str, directory: str, trained_for: str, hidden_size: int, vocab_size: int,
                    gm) -> str | None:  # fmt: skip
     """Why a trained draft module (`what` in `directory`, of `hidden_size` and `vocab_size`, trained for
@@ -128,8 +138,35 @@ def read_config(directory: str) -> HeadsConfig:
 def load_heads(directory: str, lm_head: nn.Module) -> tuple[nn.Module, HeadsConfig]:
     """Heads from `directory`, on the LM head's device and dtype; refused for another model."""
     config = read_config(directory)
-    check_model(config.model, lm_head, directory, "heads")
-    heads = make_heads(config)
-    load_weights(heads, directory, WEIGHTS, HEADS_HINT)
-    weight = lm_head.weight
-    return heads.to(device=weight.device, dtype=weight.dtype).eval(), config
+    return load_for_model(make_heads(config), config.model, lm_head, directory, WEIGHTS, HEADS_HINT, "heads"), config
+
+
+FEATURE_WEIGHTS = "feature_draft.safetensors"
+FEATURE_CONFIG = "feature_draft.json"
+FEATURE_HINT = "train one again with `specpass train-heads --kind eagle --out DIR` (the shipped one: reinstall specpass)"
+
+
+def save_feature_draft(draft: nn.Module, config, directory: str, dtype: torch.dtype = torch.float16) -> None:
+    save_module(draft, config, directory, FEATURE_WEIGHTS, FEATURE_CONFIG, dtype)
+
+
+def read_feature_config(directory: str):
+    from specpass.heads.feature_draft import FeatureDraftConfig
+
+    data = read_json(directory, FEATURE_CONFIG, "feature draft", FEATURE_HINT)
+    try:
+        data["accuracy"] = tuple(tuple(row) for row in data.get("accuracy", ()))
+        data["feature_layers"] = tuple(data["feature_layers"])
+        return FeatureDraftConfig(**data)
+    except (KeyError, TypeError, ValueError, SpecpassError) as exc:
+        raise DamagedFileError(f"{os.path.join(directory, FEATURE_CONFIG)} is not a feature draft config ({exc}); "
+                               f"{FEATURE_HINT}") from None  # fmt: skip
+
+
+def load_feature_draft(directory: str, lm_head: nn.Module) -> nn.Module:
+    """A feature draft from `directory`, on the LM head's device and dtype; refused for another model."""
+    from specpass.heads.feature_draft import FeatureDraft
+
+    config = read_feature_config(directory)
+    return load_for_model(FeatureDraft(config), config.model, lm_head, directory, FEATURE_WEIGHTS, FEATURE_HINT,
+                          "feature draft")  # fmt: skip

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpass.errors import InvalidParameterError
+from specpass.errors import InvalidParameterError, require_positive_ints
 from specpass.heads.io import model_fingerprint, save_heads
 from specpass.heads.modules import KINDS, HeadsConfig, draft_vocabulary, make_heads
 
@@ -60,10 +60,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise InvalidParameterError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("num_heads", "prompts", "max_new_tokens", "epochs", "batch_size", "ranks", "held_out"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameterError(f"{name} must be a positive int, got {value!r}")
+        require_positive_ints(self, ("num_heads", "prompts", "max_new_tokens", "epochs", "batch_size", "ranks", "held_out"))
         if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
             raise InvalidParameterError(f"draft_vocab must be an int >= 0, got {self.draft_vocab!r}")
         if not self.lr > 0:
@@ -75,28 +72,30 @@ class Continuation:
     tokens: torch.Tensor  # [L] int64: prompt + greedy continuation
     start: int  # first position t whose x[t+1] the model generated (prompt length - 1)
     hidden: torch.Tensor | None = None  # [L - 1, H] float32: final normed states of all but the last token
-    exit_hidden: torch.Tensor | None = None  # [L - 1, H] float32: the same positions' input to the exit layer
+    layer_states: torch.Tensor | None = None  # [L - 1, n, H] float32: the same positions' inputs to n layers
 
 
 class _StateCapture:
     """Forward hooks catching the states [B, S, H] of every forward: the output of the model's final
-    norm (what the LM head reads; generate computes it anyway, the teacher reuses it) and, with
-    `exit_layer`, the input of that decoder layer (the residual stream an exit adapter reads)."""
+    norm (what the LM head reads; generate computes it anyway, the teacher reuses it) and the inputs of
+    the decoder layers `layers` (the residual stream entering layer i: HF's hidden_states[i]; what an
+    exit adapter after layers [0, i) or a feature draft reads)."""
 
-    def __init__(self, model: nn.Module, exit_layer: int | None = None):
+    def __init__(self, model: nn.Module, layers: tuple[int, ...] = ()):
         self.final: list[torch.Tensor] = []
-        self.exit: list[torch.Tensor] = []
+        self.inputs: list[list[torch.Tensor]] = [[] for _ in layers]
         self.handles = [model.model.norm.register_forward_hook(lambda _m, _i, out: self.final.append(out.float().cpu()))]
-        if exit_layer is not None:
-            def catch(_module, args, kwargs):
-                self.exit.append((args[0] if args else kwargs["hidden_states"]).float().cpu())
+        for caught, layer in zip(self.inputs, layers):
+            def catch(_module, args, kwargs, caught=caught):
+                caught.append((args[0] if args else kwargs["hidden_states"]).float().cpu())
 
-            layer = model.model.layers[exit_layer]
-            self.handles.append(layer.register_forward_pre_hook(catch, with_kwargs=True))
+            self.handles.append(model.model.layers[layer].register_forward_pre_hook(catch, with_kwargs=True))
 
-    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        final, exit, self.final, self.exit = self.final, self.exit, [], []
-        return final, exit
+    def take(self) -> list[list[torch.Tensor]]:
+        """Each forward's states since the last take: the final norm's, then each layer's input."""
+        taken = [self.final, *self.inputs]
+        self.final, self.inputs = [], [[] for _ in self.inputs]
+        return taken
 
     def close(self) -> None:
         for handle in self.handles:
@@ -105,11 +104,11 @@ class _StateCapture:
 
 @torch.no_grad()
 def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int | None = None,
-                    progress: bool = True, exit_layer: int | None = None) -> list[Continuation]:  # fmt: skip
+                    progress: bool = True, layers: tuple[int, ...] = ()) -> list[Continuation]:  # fmt: skip
     """The model's greedy continuations of `prompts` [1, P] each, up to EOS, `batch_size` at a time
     (default 48 on the CPU, 256 on a GPU), with the final normed hidden state of every position but
-    the last (`Continuation.hidden`) and, with `exit_layer`, the residual stream entering that layer
-    (`Continuation.exit_hidden`: what an exit adapter after layers [0, exit_layer) reads).
+    the last (`Continuation.hidden`) and the residual stream entering each decoder layer of `layers`
+    (`Continuation.layer_states`, in that order; none without `layers`).
 
     The states come from the generation's own forwards (prefill, then one token per step), caught on
     the final norm, so the teacher needs no second forward over the corpus. Batches group prompts of
@@ -121,13 +120,16 @@ def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_token
 
     device = next(model.parameters()).device
     batch_size = batch_size or (48 if device.type == "cpu" else 256)
+    depth = len(model.model.layers)
+    if any(not 0 <= layer < depth for layer in layers):
+        raise InvalidParameterError(f"layers {layers} must be decoder layers of the model, in [0, {depth})")
     config = model.generation_config
     eos = config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     pad = config.pad_token_id if config.pad_token_id is not None else min(eos, default=0)
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[1])
     out: dict[int, Continuation] = {}
-    capture = _StateCapture(model, exit_layer)
+    capture = _StateCapture(model, tuple(layers))
     bar = tqdm(total=len(prompts), desc="self-distillation corpus", disable=not progress)
     try:
         for first in range(0, len(order), batch_size):
@@ -146,8 +148,8 @@ def generate_corpus(model: nn.Module, prompts: list[torch.Tensor], max_new_token
                 stop = next((j + 1 for j, token in enumerate(new) if token in eos), len(new))
                 length = prompts[i].shape[1]
                 tokens = torch.cat((prompts[i][0].cpu(), torch.tensor(new[:stop], dtype=torch.long)))
-                hidden, *exit_hidden = (c[row, width - length : width + stop - 1].clone() for c in caught)  # [L - 1, H]
-                out[i] = Continuation(tokens, length - 1, hidden, exit_hidden[0] if exit_hidden else None)
+                hidden, *inputs = (c[row, width - length : width + stop - 1].clone() for c in caught)  # [L - 1, H] each
+                out[i] = Continuation(tokens, length - 1, hidden, torch.stack(inputs, 1) if inputs else None)
             bar.update(len(chunk))
     finally:
         capture.close()

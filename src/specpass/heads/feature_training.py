@@ -1,0 +1,207 @@
+"""Self-distillation of a feature draft (heads.feature_draft) with EAGLE-3's training-time test.
+
+1. Corpus: as for the heads (heads.train.generate_corpus: the training prompts and the model's greedy
+   continuations), with the residual stream at the draft's three feature layers caught from the
+   generation's own forwards (`Continuation.layer_states`) beside the final normed state.
+2. Teacher: the model's own sparse law at every position (heads.train.teacher), restricted to the draft
+   vocabulary and renormalised.
+3. Training: whole sequences at a time. Every step j = 0..steps-1 of the chain runs at every position
+   at once (FeatureDraft.forward_chains): step 0 reads the target's features, step j > 0 the draft's
+   own step j-1 output one position back, so the draft learns from the states it will see when it
+   drafts several tokens ahead, not only from the target's (the training-time test). At every
+   position s and step j with s >= j, the loss is the KL divergence from the model's law over x[s+2]
+   (the teacher at s + 1), averaged over steps. AdamW, cosine schedule, fixed seed, a progress bar
+   with the loss and each step's top-1 agreement with the model's greedy token.
+4. Accuracy table, on held-out sequences at generated positions: how often the step-j draft's rank-r
+   token is the model's greedy token (the chain fed the model's own tokens: the tokens a draft path
+   must match to be accepted), saved in the config; it seeds the drafter's acceptance priors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpass.errors import InvalidParameterError, require_positive_ints
+from specpass.heads.feature_draft import FeatureDraft, FeatureDraftConfig, config_for
+from specpass.heads.io import model_fingerprint
+from specpass.heads.modules import draft_vocabulary
+from specpass.heads.train import Continuation, Teacher, _DraftVocabulary, cosine_adamw, sparse_kl, teacher
+
+
+@dataclass(frozen=True)
+class FeatureTrainConfig:
+    prompts: int = 1000  # the first training_prompts
+    max_new_tokens: int = 128
+    epochs: int = 4
+    sequences: int = 8  # sequences per optimizer step
+    steps: int = 4  # chain steps trained at once (the training-time test's depth)
+    lr: float = 1e-3
+    seed: int = 0
+    held_out: int = 32
+    ranks: int = 8
+    draft_vocab: int = 8192
+
+    def __post_init__(self):
+        require_positive_ints(self, ("prompts", "max_new_tokens", "epochs", "sequences", "steps", "held_out", "ranks",
+                                     "draft_vocab"))  # fmt: skip
+        if not self.lr > 0:
+            raise InvalidParameterError(f"lr must be positive, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    """The corpus as padded sequences: features [N, T, 3H], tokens [N, T + 1] (x[0..T]), the teacher's
+    sparse law over x[s+2] at each s (probs, rows [N, T, TOP], on the draft vocabulary), its greedy
+    token [N, T], and which positions s have a target ([N, T] bool; `generated`: also s >= start)."""
+
+    features: torch.Tensor
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    rows: torch.Tensor
+    greedy: torch.Tensor
+    valid: torch.Tensor
+    generated: torch.Tensor
+
+
+@torch.no_grad()
+def with_features(model: nn.Module, corpus: list[Continuation], layers: tuple[int, int, int]) -> list[Continuation]:
+    """The corpus with every sequence's features: those generate_corpus caught (`layers=` the draft's), else
+    from one forward per sequence (a corpus cached as tokens)."""
+    device = next(model.parameters()).device
+    out = []
+    for seq in corpus:
+        if seq.layer_states is None:
+            states = model.model(seq.tokens[None, :-1].to(device), output_hidden_states=True).hidden_states
+            seq = replace(seq, layer_states=torch.stack([states[i][0].float().cpu() for i in layers], 1))
+        elif seq.layer_states.shape[1] != len(layers):
+            raise InvalidParameterError(f"the corpus caught {seq.layer_states.shape[1]} layers, not the draft's {layers}")
+        out.append(seq)
+    return out
+
+
+def _sequences(corpus: list[Continuation], data: Teacher, vocab: _DraftVocabulary) -> _Sequences:
+    width = max(len(seq.tokens) for seq in corpus) - 2  # positions s with x[s+2]
+    n, top = len(corpus), data.probs.shape[1]
+    hidden = corpus[0].layer_states.shape[-1]
+    features = torch.zeros(n, width, 3 * hidden, dtype=torch.bfloat16)  # kept in bf16: the corpus's largest part
+    tokens = torch.zeros(n, width + 1, dtype=torch.long)
+    probs, rows = torch.zeros(n, width, top), torch.zeros(n, width, top, dtype=torch.long)
+    greedy = torch.full((n, width), -1, dtype=torch.long)
+    valid, generated = torch.zeros(n, width, dtype=torch.bool), torch.zeros(n, width, dtype=torch.bool)
+    for i, (seq, offset) in enumerate(zip(corpus, data.offsets)):
+        length = len(seq.tokens) - 2
+        features[i, :length] = seq.layer_states[:length].flatten(1)
+        tokens[i, : length + 1] = seq.tokens[: length + 1]
+        law = slice(offset + 1, offset + 1 + length)  # the teacher at s + 1: the law over x[s+2]
+        probs[i, :length], rows[i, :length] = vocab.law(data.probs[law], data.ids[law])
+        greedy[i, :length] = data.ids[law, 0]
+        valid[i, :length] = True
+        generated[i, max(seq.start, 0) : length] = True
+    return _Sequences(features, tokens, probs, rows, greedy, valid, generated)
+
+
+def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: list[Continuation],
+                        config: FeatureTrainConfig, feature_layers: tuple[int, int, int] | None = None,
+                        out_dir: str | None = None, progress: bool = True,
+                        ) -> tuple[FeatureDraft, FeatureDraftConfig, list[float]]:  # fmt: skip
+    """Train a feature draft on `corpus` and measure its accuracy table on `held_out` (module docstring);
+    both were generated with `layer_states` at the draft's feature layers. Returns (draft, its config,
+    the loss per step) and saves them to `out_dir` when given."""
+    from tqdm.auto import tqdm
+
+    from specpass.heads.io import save_feature_draft
+
+    if not corpus or not held_out:
+        raise InvalidParameterError(f"need training and held-out sequences, got {len(corpus)} and {len(held_out)}")
+    torch.manual_seed(config.seed)
+    identity = config_for(model, config.draft_vocab, model_fingerprint(model.lm_head))
+    if feature_layers is not None:
+        identity = replace(identity, feature_layers=tuple(feature_layers))
+    draft = make_feature_draft(model, identity, [seq.tokens for seq in corpus])
+    vocab = _DraftVocabulary(model.lm_head.weight.detach(), draft.draft_vocab)
+    embed = model.model.embed_tokens
+    corpus = with_features(model, corpus, identity.feature_layers)
+    data = _sequences(corpus, teacher(model, corpus), vocab)
+    draft.train()
+    batches = math.ceil(len(corpus) / config.sequences)
+    total = config.epochs * batches
+    optimizer, schedule = cosine_adamw([p for p in draft.parameters() if p.requires_grad], config.lr, total)
+    generator = torch.Generator().manual_seed(config.seed)
+    order_by_length = data.valid.sum(1)
+    losses: list[float] = []
+    bar = tqdm(total=total, desc=f"training a feature draft ({config.steps} chain steps)", disable=not progress)
+    for _ in range(config.epochs):
+        for batch in torch.randperm(len(corpus), generator=generator).split(config.sequences):
+            width = int(order_by_length[batch].max())
+            with torch.no_grad():
+                embeds = embed(data.tokens[batch, 1 : width + 1])  # [B, T, H]: e(x[s+1])
+            outputs = draft.forward_chains(data.features[batch, :width].float(), embeds, config.steps)
+            loss, top1 = _chain_loss(draft, outputs, data, batch, width)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=" ".join(f"{a:.2f}" for a in top1))
+            bar.update()
+    bar.close()
+    draft.eval()
+    result = replace(identity, accuracy=measure_chain_accuracy(model, draft, held_out, config.steps, config.ranks))
+    draft.config = result
+    if out_dir is not None:
+        save_feature_draft(draft, result, out_dir)
+    return draft, result, losses
+
+
+def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: list[torch.Tensor]) -> FeatureDraft:
+    """An untrained draft for `model`: its draft vocabulary the tokens most frequent in `sequences`, its
+    head initialised from those rows of the model's LM head and its final norm from the model's."""
+    draft = FeatureDraft(config)
+    vocab_ids = draft_vocabulary(sequences, config.vocab_size, config.draft_vocab)
+    with torch.no_grad():
+        draft.draft_vocab.copy_(vocab_ids)
+        draft.head.weight.copy_(model.lm_head.weight[vocab_ids].float())
+        draft.final_norm.weight.copy_(model.model.norm.weight.float())
+    return draft
+
+
+def _chain_loss(draft: FeatureDraft, outputs: list[torch.Tensor], data: _Sequences, batch: torch.Tensor, width: int):
+    """The mean over chain steps of the sparse KL at positions s >= j with a target; each step's top-1
+    agreement with the model's greedy token."""
+    losses, top1 = [], []
+    for j, states in enumerate(outputs):
+        where = data.valid[batch, :width].clone()  # [B, T]
+        where[:, :j] = False
+        log_probs = F.log_softmax(draft.logits(states[where]).float(), dim=-1)  # [P, D]
+        losses.append(sparse_kl(data.probs[batch, :width][where], data.rows[batch, :width][where], log_probs))
+        chosen = draft.draft_vocab[log_probs.argmax(-1)]
+        top1.append((chosen == data.greedy[batch, :width][where]).float().mean().item())
+    return torch.stack(losses).mean(), top1
+
+
+@torch.no_grad()
+def measure_chain_accuracy(model: nn.Module, draft: FeatureDraft, corpus: list[Continuation], steps: int,
+                           ranks: int) -> tuple[tuple[float, ...], ...]:  # fmt: skip
+    """accuracy[j][r]: at generated positions, how often the step-j draft's rank-r token is the model's
+    greedy token (the chain started j positions back, inside the generated text)."""
+    vocab = _DraftVocabulary(model.lm_head.weight.detach(), draft.draft_vocab)
+    corpus = with_features(model, corpus, draft.config.feature_layers)
+    data = _sequences(corpus, teacher(model, corpus), vocab)
+    hits, counts = torch.zeros(steps, ranks), torch.zeros(steps)
+    embed = model.model.embed_tokens
+    for batch in torch.arange(len(corpus)).split(8):
+        width = int(data.valid[batch].sum(1).max())
+        outputs = draft.forward_chains(data.features[batch, :width].float(), embed(data.tokens[batch, 1 : width + 1]), steps)
+        for j, states in enumerate(outputs):
+            start_generated = F.pad(data.generated[batch, :width], (j, 0))[:, :width]  # the chain starts at s - j
+            where = data.generated[batch, :width] & start_generated
+            where[:, :j] = False
+            top = draft.draft_vocab[draft.logits(states[where]).topk(ranks, dim=-1).indices]  # [P, R]
+            hits[j] += (top == data.greedy[batch, :width][where][:, None]).float().sum(0)
+            counts[j] += int(where.sum())
+    return tuple(tuple(round(float(h) / max(float(c), 1.0), 4) for h in row) for row, c in zip(hits, counts))
