@@ -13,8 +13,11 @@ tomorrow) adds its graph as the step's submodule `draft` and describes it with a
 * a drafter drives the graphs whose `kind` it knows (`drafters.Heads` drives kind "heads") and reads
   the kind's own `config` (for heads, `heads.modules.HeadsConfig`).
 
-Invariants every draft graph keeps: the verify graph is untouched by adding it; its inputs and outputs
-are exactly the spec's; weights it shares with the verify step are the step's own modules. A draft
+Invariants every draft graph keeps: the verify graph is untouched by adding it, except for the
+outputs the pass declares for its draft (`add_step_output`: appended to the step's outputs, named in
+`gm.meta[STEP_OUTPUTS_META]`; the outputs before them are bit for bit what they were, and every
+lowering returns them; a feature draft's fused features are one); its inputs and outputs are exactly
+the spec's; weights it shares with the verify step are the step's own modules. A draft
 graph is called one of two ways:
 
 * by rows (heads): every input's first dimension is the row count N (rows are independent queries,
@@ -42,6 +45,8 @@ RESUME_MODULE = "resume"  # with a cache-sharing draft graph: the step's layers 
 OBSERVE_MODULE, EVICT_MODULE = "kv_observe", "kv_evict"  # a KV-eviction pass's graphs (rewrites.kv_eviction)
 SIDE_GRAPHS = (DRAFT_MODULE, RESUME_MODULE, OBSERVE_MODULE, EVICT_MODULE)  # submodules the verify graph does not call
 DRAFT_META = "specpass_draft"  # gm.meta key holding its DraftGraphSpec
+STEP_OUTPUTS_META = "specpass_step_outputs"  # gm.meta key: {name: index} of the outputs draft passes added
+DRAFT_STATES = "draft_states"  # a declared output the drafters read in place of the final hidden states
 ROWS = "N"  # the dynamic row dimension of a draft graph's inputs and outputs
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
 
@@ -112,6 +117,24 @@ def draft_spec(gm: torch.fx.GraphModule) -> DraftGraphSpec | None:
 
 def resume_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     return getattr(gm, RESUME_MODULE, None)
+
+
+def add_step_output(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str) -> None:
+    """Append `node` to the verify graph's outputs as the declared output `name` (module docstring)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = tuple(output.args[0])
+    output.args = (values + (node,),)
+    gm.meta[STEP_OUTPUTS_META] = {**gm.meta.get(STEP_OUTPUTS_META, {}), name: len(values)}
+    gm.recompile()
+
+
+def step_output(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node | None:
+    """The verify graph's node returned as the declared output `name`, or None."""
+    index = gm.meta.get(STEP_OUTPUTS_META, {}).get(name)
+    if index is None:
+        return None
+    values = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return values[index] if index < len(values) else None
 
 
 def attach_draft(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, spec: DraftGraphSpec,

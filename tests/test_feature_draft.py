@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specpass.errors import DamagedFileError, InvalidParameterError
-from specpass.heads.feature_draft import FeatureDraft, FeatureDraftConfig, chain_mask, default_feature_layers
+from specpass.heads.feature_draft import FeatureDraftConfig, FeatureDraftLayer, chain_mask, default_feature_layers
 from specpass.heads.io import HeadsMismatchError, load_feature_draft, save_feature_draft
 
 
@@ -16,9 +16,9 @@ def _config(**changes) -> FeatureDraftConfig:
     return FeatureDraftConfig(**(values | changes))
 
 
-def _draft(seed: int = 0) -> FeatureDraft:
+def _draft(seed: int = 0) -> FeatureDraftLayer:
     torch.manual_seed(seed)
-    draft = FeatureDraft(_config())
+    draft = FeatureDraftLayer(_config())
     with torch.no_grad():
         for p in draft.parameters():
             p.normal_(0, 0.3)
@@ -92,26 +92,23 @@ def test_saved_draft_loads_for_its_model_only(tmp_path):
         load_feature_draft(str(tmp_path), lm_head)
 
 
-def _peaked_four_layer_llama():
+def _peaked_four_layer_llama(seed: int = 3):
     import transformers
 
     from specpass.research.tiny_models import TINY
 
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(TINY | {"num_hidden_layers": 4}))).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # a peaked next-token law: a flat one has no top-1 to agree on
     return model
 
 
-def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(tmp_path):
-    """On a tiny random model nothing generalises, so the check is on the training sequences: the trained
-    draft's chain agrees with the model's greedy token more than the untrained one at every depth; the
-    saved draft loads with the same accuracy table, the features caught while generating equal a
-    forward's, and a corpus cached as tokens trains the same."""
-    from specpass.heads.feature_training import FeatureTrainConfig, make_feature_draft, measure_chain_accuracy
-    from specpass.heads.feature_training import train_feature_draft, with_features
-    from specpass.heads.train import Continuation, generate_corpus
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A feature draft trained on a 4-layer peaked tiny Llama's continuations of 20 random prompts."""
+    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
+    from specpass.heads.train import generate_corpus
 
     model = _peaked_four_layer_llama()
     layers = default_feature_layers(4)
@@ -119,21 +116,67 @@ def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(tmp_path):
     prompts = [torch.randint(0, 96, (1, 6), generator=gen) for _ in range(24)]
     corpus = generate_corpus(model, prompts[:20], max_new_tokens=24, progress=False, layers=layers)
     held_out = generate_corpus(model, prompts[20:], max_new_tokens=24, progress=False, layers=layers)
-    recomputed = with_features(model, [Continuation(c.tokens, c.start) for c in corpus[:3]], layers)
+    config = FeatureTrainConfig(epochs=40, sequences=4, steps=3, lr=3e-3, draft_vocab=96, ranks=4)
+    directory = tmp_path_factory.mktemp("trained_feature_draft")
+    draft, result, losses = train_feature_draft(model, corpus, held_out, config, out_dir=str(directory), progress=False)
+    return model, corpus, held_out, str(directory), draft, result, losses
+
+
+def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(trained):
+    """On a tiny random model nothing generalises, so the check is on the training sequences: the trained
+    draft's chain agrees with the model's greedy token more than the untrained one at every depth; the
+    saved draft loads with the same accuracy table, and the features caught while generating equal a
+    forward's (what a corpus cached as tokens trains on)."""
+    from specpass.heads.feature_training import make_feature_draft, measure_chain_accuracy, with_features
+    from specpass.heads.train import Continuation
+
+    model, corpus, held_out, directory, draft, result, losses = trained
+    recomputed = with_features(model, [Continuation(c.tokens, c.start) for c in corpus[:3]], result.feature_layers)
     for caught, forward in zip(corpus, recomputed):
         torch.testing.assert_close(caught.layer_states, forward.layer_states, rtol=1e-4, atol=1e-4)
-    config = FeatureTrainConfig(epochs=40, sequences=4, steps=3, lr=3e-3, draft_vocab=96, ranks=4)
-    draft, result, losses = train_feature_draft(model, corpus, held_out, config, out_dir=str(tmp_path), progress=False)
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
     untrained = make_feature_draft(model, result, [c.tokens for c in corpus]).eval()
     trained_on = measure_chain_accuracy(model, draft, corpus, 3, 1)
     before = measure_chain_accuracy(model, untrained, corpus, 3, 1)
     assert all(a[0] > b[0] + 0.1 for a, b in zip(trained_on, before)), (trained_on, before)
     assert len(result.accuracy) == 3 and all(len(row) == 4 for row in result.accuracy)
-    loaded = load_feature_draft(str(tmp_path), model.lm_head)
+    loaded = load_feature_draft(directory, model.lm_head)
     assert loaded.config == result
     again = measure_chain_accuracy(model, loaded.float(), held_out, 3, 4)
     assert all(abs(a - b) < 0.05 for x, y in zip(again, result.accuracy) for a, b in zip(x, y))  # float16 weights
+
+
+def test_feature_drafting_equals_hf_greedy_alone_combined_and_in_a_batch(trained):
+    """Greedy with the trained draft, alone and in the combined tree, equals HF greedy token for token
+    on prompts it was trained on (where it drafts well: tau > 1.5) and on unseen ones; a batch of rows
+    of different lengths equals each row alone."""
+    import specpass
+    from conftest import padded
+    from specpass.drafters import Combined, Feature, PromptLookup, TokenRecycling
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, corpus, _, directory, *_ = trained
+    pipeline = specpass.Pipeline(TreeAttention(16), FeatureDraft(directory))
+    prompts = [c.tokens[: c.start + 1][None] for c in corpus[:3]]
+    prompts += [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
+    taus = []
+    for drafter in (Feature(), Combined(Feature(top_k=4, beam=4, depth=4), PromptLookup(), TokenRecycling())):
+        options = {"pipeline": pipeline, "drafter": drafter, "cache_size": 96, "budget": 12}
+        for ids in prompts:
+            out = specpass.generate(model, ids, max_new_tokens=24, eos_token_id=[], options=options)
+            reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                       eos_token_id=None)  # fmt: skip
+            assert torch.equal(out.sequences, reference)
+            taus.append(out.stats.tau)
+    assert min(taus[:3]) > 1.5, taus
+    program = specpass.compile_program(model, {"pipeline": pipeline, "drafter": Feature(), "cache_size": 96,
+                                              "budget": 12}, rows=3)  # fmt: skip
+    rows = [prompts[0], prompts[3], prompts[4]]  # 6, 5 and 11 tokens
+    ids, mask = padded(rows)
+    batch = specpass.generate(program, ids, 20, attention_mask=mask, eos_token_id=[])
+    for row, new in zip(rows, batch.new_tokens):
+        alone = model.generate(row, max_new_tokens=20, do_sample=False, eos_token_id=None)
+        assert list(new) == alone[0, row.shape[1] :].tolist()
 
 
 def test_cli_refuses_options_of_other_kinds(capsys):
@@ -145,3 +188,137 @@ def test_cli_refuses_options_of_other_kinds(capsys):
                           (("--kind", "eagle", "--chain-steps", "0"), "steps must be a positive int")):  # fmt: skip
         assert main(["train-heads", "--out", "unused", *args]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def saved_draft(tmp_path_factory):
+    """A 4-layer tiny Llama and a random-weight feature draft saved for it (float32)."""
+    from specpass.heads.feature_draft import config_for
+    from specpass.heads.io import model_fingerprint
+
+    model = _peaked_four_layer_llama()
+    config = config_for(model, 48, model_fingerprint(model.lm_head))
+    torch.manual_seed(1)
+    layer = FeatureDraftLayer(config)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+        layer.draft_vocab.copy_(torch.randperm(96)[:48])
+    directory = tmp_path_factory.mktemp("feature_draft")
+    save_feature_draft(layer, config, str(directory), dtype=torch.float32)
+    return model, str(directory), layer.eval()
+
+
+def _step_inputs(t: int = 5):
+    return dict(input_ids=torch.randint(0, 96, (1, t)), positions=torch.arange(t)[None], kv_len=t,
+                tree_mask=torch.ones(t, t, dtype=torch.bool).tril()[None], cache_slots=torch.arange(t)[None])  # fmt: skip
+
+
+@torch.no_grad()
+def test_the_pass_adds_the_features_output_and_a_draft_graph_equal_to_the_module(saved_draft):
+    """The verify step's outputs before the pass are bit for bit unchanged; its `features` output is the
+    draft's fuse over HF's hidden_states at the three layers; the draft graph equals the module."""
+    import specpass
+    from specpass.ir import capture, verify
+    from specpass.ir.draft import DRAFT_STATES, step_output
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, directory, layer = saved_draft
+    base, _ = specpass.Pipeline(TreeAttention(8)).run(capture(model, cache_size=32))
+    rewritten, report = specpass.Pipeline(TreeAttention(8), FeatureDraft(directory)).run(capture(model, cache_size=32))
+    assert "added a draft graph: a feature draft layer over layers (1, 2, 3)" in str(report)
+    verify(rewritten)
+    inputs = _step_inputs()
+    expected = [o.clone() for o in base(**inputs)]
+    got = rewritten(**_step_inputs_like(inputs))
+    assert len(got) == len(expected) + 1 and all(torch.equal(a, b) for a, b in zip(got, expected))  # bit for bit
+    assert step_output(rewritten, DRAFT_STATES) is not None
+    states = model(inputs["input_ids"], output_hidden_states=True).hidden_states
+    by_hand = layer.fuse(torch.cat([states[i] for i in layer.config.feature_layers], -1))  # [1, T, H]
+    torch.testing.assert_close(got[-1], by_hand, rtol=1e-5, atol=1e-5)
+    draft = rewritten.draft
+    assert draft.embed_tokens is model.model.embed_tokens  # shared, not copied
+    n, t, s, kv, d = 3, 4, 6, layer.config.num_kv_heads, layer.config.head_dim
+    args = (torch.randint(0, 96, (n, t)), torch.randn(n, t, 32), torch.arange(s, s + t).expand(n, t),
+            torch.randn(n, kv, s, d), torch.randn(n, kv, s, d), torch.rand(n, t, s + t) < 0.7)  # fmt: skip
+    args[5][..., s:] |= torch.eye(t, dtype=torch.bool)  # every query sees itself
+    out, keys, values = layer.extend(model.model.embed_tokens(args[0]), *args[1:])
+    graph_out = draft(*args)
+    for a, b in zip(graph_out, (out, layer.logits(out), layer.draft_vocab, keys, values)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _step_inputs_like(inputs: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def test_the_pass_is_refused_twice_on_another_model_and_where_its_layers_are_missing(saved_draft, tmp_path):
+    import specpass
+    from specpass.heads.feature_draft import config_for
+    from specpass.heads.io import model_fingerprint
+    from specpass.ir import capture
+    from specpass.research.tiny_models import tiny_model
+    from specpass.rewrites import FeatureDraft
+
+    model, directory, layer = saved_draft
+    gm, _ = specpass.Pipeline(FeatureDraft(directory)).run(capture(model, 32))
+    assert "already has a draft graph" in FeatureDraft(directory).check(gm)
+    other = capture(_peaked_four_layer_llama(seed=7), 32)
+    before = other.graph.python_code("self").src
+    with pytest.raises(specpass.PassMismatchError, match="trained for model"):
+        specpass.Pipeline(FeatureDraft(directory)).run(other)
+    assert other.graph.python_code("self").src == before and not hasattr(other, "draft")
+    two_layers = tiny_model("llama")  # hidden and vocabulary fit, but it has no layer 2 or 3
+    config = config_for(model, 48, model_fingerprint(two_layers.lm_head))
+    save_feature_draft(FeatureDraftLayer(config), config, str(tmp_path / "deep"), dtype=torch.float32)
+    assert "taps layers 1 .. 1" in FeatureDraft(str(tmp_path / "deep")).check(capture(two_layers, 32))
+    assert "no feature draft" in FeatureDraft(str(tmp_path / "none")).check(capture(model, 32))
+    with pytest.raises(InvalidParameterError, match="FeatureDraft.draft"):
+        FeatureDraft("")
+
+
+def test_the_export_refuses_the_feature_draft_with_the_reason(saved_draft, tmp_path):
+    import specpass
+    from specpass.backends.onnx.export import export
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, directory, _ = saved_draft
+    with pytest.raises(specpass.SpecpassError, match="cannot express pass FeatureDraft"):
+        export(model, specpass.Pipeline(TreeAttention(8), FeatureDraft(directory)), str(tmp_path / "out"), progress=False)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "onednn", "inductor"])
+def test_every_cpu_lowering_returns_the_features(trained, lowering):
+    """The declared output reaches the drafters through each lowering: the same tokens and taus as eager."""
+    import specpass
+    from specpass.drafters import Feature
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, corpus, _, directory, *_ = trained
+    ids = corpus[0].tokens[: corpus[0].start + 1][None]
+    options = {"pipeline": specpass.Pipeline(TreeAttention(8), FeatureDraft(directory)), "drafter": Feature(),
+               "cache_size": 64, "budget": 8, "lowering": lowering}  # fmt: skip
+    out = specpass.generate(model, ids, max_new_tokens=16, eos_token_id=[], options=options)
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                               eos_token_id=None)  # fmt: skip
+    assert torch.equal(out.sequences, reference) and out.stats.tau > 1.5
+
+
+def test_feature_sampling_equals_one_node_sampling_with_the_same_seed(trained):
+    """Sample-and-match over the feature draft's tree: the same tokens as sampling one token a step."""
+    import specpass
+    from specpass.drafters import Feature
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, corpus, _, directory, *_ = trained
+    pipeline = specpass.Pipeline(TreeAttention(16), FeatureDraft(directory))
+    speculative = {"pipeline": pipeline, "drafter": Feature(), "cache_size": 96, "budget": 12}
+    plain = {"pipeline": pipeline, "drafter": Feature(), "cache_size": 96, "budget": 1}
+    taus = []
+    for seed, c in enumerate(corpus[:3]):
+        ids = c.tokens[: c.start + 1][None]
+        settings = dict(do_sample=True, temperature=0.5, seed=seed, eos_token_id=[])
+        out = specpass.generate(model, ids, 24, options=speculative, **settings)
+        assert torch.equal(out.sequences, specpass.generate(model, ids, 24, options=plain, **settings).sequences)
+        taus.append(out.stats.tau)
+    assert sum(taus) / len(taus) > 1.2, taus

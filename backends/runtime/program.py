@@ -27,6 +27,7 @@ from specpass.drafters import Drafter
 from specpass.errors import InvalidParameterError
 from specpass.passes.runtime import RuntimeHook
 from specpass.ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
+from specpass.ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
 from specpass.ir.split import EXIT_HIDDEN
 
 COST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # interpolated between: a step's cost is near linear in T
@@ -106,9 +107,10 @@ class DecodeProgram(ABC):
     def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """One verify forward of B rows' steps: tokens [B, T] int64 (layout.pad_tokens) laid out by
         `layout` (row b in cache row b; each ancestor mask a chain's when the program does not verify
-        trees); returns logits [B, T, V], hidden [B, T, H] on the program's device (padding nodes'
-        outputs are meaningless). Tokens and layout may be on the host (what the decode loop passes) or
-        on that device."""
+        trees); returns logits [B, T, V] and the states the drafters read, hidden [B, T, H] (the final
+        normed states, or the step's declared output ir.draft.DRAFT_STATES: a feature draft's fused
+        features), on the program's device (padding nodes' outputs are meaningless). Tokens and layout
+        may be on the host (what the decode loop passes) or on that device."""
 
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify tokens whose layers below the early exit already ran in their slots (their states after
@@ -244,6 +246,7 @@ class SpeculativeProgram(DecodeProgram):
         if self.step.draft is not None:
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
         self.resumes_from_exit = self.step.resume is not None
+        self.states_output = gm.meta.get(STEP_OUTPUTS_META, {}).get(DRAFT_STATES, 1)  # what the drafters read
         self.use_hooks([hook for p in self.pipeline if (hook := p.runtime_hook(gm)) is not None])
         if rows > 1:
             self._check_rows()
@@ -264,8 +267,8 @@ class SpeculativeProgram(DecodeProgram):
 
     def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_rows(len(layout.committed))
-        logits, hidden = self.step(tokens, layout)[:2]  # [B, T, V], [B, T, H]
-        return logits, hidden
+        outputs = self.step(tokens, layout)
+        return outputs[0], outputs[self.states_output]  # [B, T, V], [B, T, H]
 
     def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_rows(len(layout.committed))

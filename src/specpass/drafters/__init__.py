@@ -1,10 +1,11 @@
 """Drafters feeding the tree verifier: training-free (prompt lookup, token recycling, suffix drafting),
-draft heads and the model's own first layers (self-drafting)."""
+draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
 
 from specpass.drafters.base import (
     Combined, Drafter, Drafting, DraftModel, DraftSession, PerRowDrafting, RootsOnly, RowsDrafting, TargetForward,
     VerifiedRows, expected_tokens,
 )
+from specpass.drafters.feature import Feature
 from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.recycled_lookup import RecycledLookup, rows_drafting
@@ -28,6 +29,7 @@ __all__ = [
     "DraftTree",
     "DrawnCandidate",
     "Drafter",
+    "Feature",
     "Drafting",
     "PerRowDrafting",
     "RootsOnly",

@@ -108,8 +108,8 @@ class HeadsSession(DraftSession):
         if tokens[-1] != self.root:
             raise AssertionError("the heads session lost track of the root")  # the decode loop's contract
         if self.heads.kind == "hydra":
-            return _Candidates(self._hydra(), (self.root,), by_path=True)
-        return _Candidates(self._medusa(), (0,), by_path=False)
+            return CandidateTable(self._hydra(), (self.root,), by_path=True)
+        return CandidateTable(self._medusa(), (0,), by_path=False)
 
     def _scored(self, depth: int, tokens: list[int], probs: list[float], drawn: list[Drawn | None]
                 ) -> list[tuple[int, float, tuple, Drawn | None]]:  # fmt: skip
@@ -187,7 +187,7 @@ class HeadStats(AcceptanceStats):
         self.calibration.record(depth, prob, accepted)
 
 
-class _Candidates:
+class CandidateTable:
     """A drafted table of candidates; a node's state is its key: (depth,) for Medusa, its path for Hydra."""
 
     def __init__(self, table: dict[tuple[int, ...], list], root_key: tuple[int, ...], by_path: bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specpass.drafters import default_drafter
 from specpass.drafters.base import Combined, Drafter
+from specpass.drafters.feature import Feature
 from specpass.drafters.heads import Heads
 from specpass.drafters.prompt_lookup import PromptLookup
 from specpass.drafters.self_draft import SelfDraft
@@ -21,6 +22,8 @@ DRAFTERS = {
     "heads-static": lambda: Heads(tree="static"),
     "heads-drawn": lambda: Heads(tree="static", temperature=1.0),  # drawn at T = 1: the multi-candidate rule
     "heads-combined": lambda: Combined(Heads(), PromptLookup(), TokenRecycling()),
+    "feature": Feature,  # a feature draft, EAGLE-2's dynamic tree (needs FeatureDraft in the pipeline)
+    "feature-combined": lambda: Combined(Feature(), PromptLookup(), TokenRecycling()),
     "self-draft": SelfDraft,  # the model's first layers (needs EarlyExit or LayerSkip in the pipeline)
     "self-draft-adaptive": lambda: SelfDraft(adaptive=True),  # its chain depth chosen each step, 0: off
     "self-draft-combined": lambda: Combined(SelfDraft(adaptive=True), PromptLookup(), TokenRecycling()),

@@ -118,7 +118,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class FeatureDraft(nn.Module):
+class FeatureDraftLayer(nn.Module):
     """The draft layer (module docstring). `draft_vocab` [D] buffer: the token id of each head row."""
 
     def __init__(self, config: FeatureDraftConfig):
@@ -205,3 +205,23 @@ def chain_mask(length: int, step: int, device=None) -> torch.Tensor:
     for i in range(1, step + 1):
         blocks.append(s[None, :] == s[:, None] - step + i)
     return torch.cat(blocks, 1)
+
+
+class FeatureDraftStep(nn.Module):
+    """The draft graph (rewrites.feature_draft): one `extend` of the draft layer and its logits.
+
+    Inputs: tokens [N, T] (x[s+1] of each position s), states [N, T, H] (the target's fused features for
+    step 0, else the previous step's outputs), positions [N, T], the draft's own cache past_keys,
+    past_values [N, nkv, S, d] and mask [N, T, S + T] (True: attend). Outputs: states [N, T, H],
+    logits [N, T, D] over the draft vocabulary, its token ids vocab [D], and the cache with these
+    tokens appended, keys, values [N, nkv, S + T, d]. The token embedding is the target's (shared)."""
+
+    def __init__(self, layer: FeatureDraftLayer, embed_tokens: nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.embed_tokens = embed_tokens
+
+    def forward(self, tokens, states, positions, past_keys, past_values, mask):
+        out, keys, values = self.layer.extend(self.embed_tokens(tokens), states, positions, past_keys, past_values,
+                                              mask)  # fmt: skip
+        return out, self.layer.logits(out), self.layer.draft_vocab, keys, values

@@ -6,7 +6,7 @@
 2. Teacher: the model's own sparse law at every position (heads.train.teacher), restricted to the draft
    vocabulary and renormalised.
 3. Training: whole sequences at a time. Every step j = 0..steps-1 of the chain runs at every position
-   at once (FeatureDraft.forward_chains): step 0 reads the target's features, step j > 0 the draft's
+   at once (FeatureDraftLayer.forward_chains): step 0 reads the target's features, step j > 0 the draft's
    own step j-1 output one position back, so the draft learns from the states it will see when it
    drafts several tokens ahead, not only from the target's (the training-time test). At every
    position s and step j with s >= j, the loss is the KL divergence from the model's law over x[s+2]
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpass.errors import InvalidParameterError, require_positive_ints
-from specpass.heads.feature_draft import FeatureDraft, FeatureDraftConfig, config_for
+from specpass.heads.feature_draft import FeatureDraftLayer, FeatureDraftConfig, config_for
 from specpass.heads.io import model_fingerprint
 from specpass.heads.modules import draft_vocabulary
 from specpass.heads.train import Continuation, Teacher, _DraftVocabulary, cosine_adamw, sparse_kl, teacher
@@ -108,7 +108,7 @@ def _sequences(corpus: list[Continuation], data: Teacher, vocab: _DraftVocabular
 def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: list[Continuation],
                         config: FeatureTrainConfig, feature_layers: tuple[int, int, int] | None = None,
                         out_dir: str | None = None, progress: bool = True,
-                        ) -> tuple[FeatureDraft, FeatureDraftConfig, list[float]]:  # fmt: skip
+                        ) -> tuple[FeatureDraftLayer, FeatureDraftConfig, list[float]]:  # fmt: skip
     """Train a feature draft on `corpus` and measure its accuracy table on `held_out` (module docstring);
     both were generated with `layer_states` at the draft's feature layers. Returns (draft, its config,
     the loss per step) and saves them to `out_dir` when given."""
@@ -158,10 +158,10 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     return draft, result, losses
 
 
-def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: list[torch.Tensor]) -> FeatureDraft:
+def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: list[torch.Tensor]) -> FeatureDraftLayer:
     """An untrained draft for `model`: its draft vocabulary the tokens most frequent in `sequences`, its
     head initialised from those rows of the model's LM head and its final norm from the model's."""
-    draft = FeatureDraft(config)
+    draft = FeatureDraftLayer(config)
     vocab_ids = draft_vocabulary(sequences, config.vocab_size, config.draft_vocab)
     with torch.no_grad():
         draft.draft_vocab.copy_(vocab_ids)
@@ -170,7 +170,7 @@ def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: 
     return draft
 
 
-def _chain_loss(draft: FeatureDraft, outputs: list[torch.Tensor], data: _Sequences, batch: torch.Tensor, width: int):
+def _chain_loss(draft: FeatureDraftLayer, outputs: list[torch.Tensor], data: _Sequences, batch: torch.Tensor, width: int):
     """The mean over chain steps of the sparse KL at positions s >= j with a target; each step's top-1
     agreement with the model's greedy token."""
     losses, top1 = [], []
@@ -185,7 +185,7 @@ def _chain_loss(draft: FeatureDraft, outputs: list[torch.Tensor], data: _Sequenc
 
 
 @torch.no_grad()
-def measure_chain_accuracy(model: nn.Module, draft: FeatureDraft, corpus: list[Continuation], steps: int,
+def measure_chain_accuracy(model: nn.Module, draft: FeatureDraftLayer, corpus: list[Continuation], steps: int,
                            ranks: int) -> tuple[tuple[float, ...], ...]:  # fmt: skip
     """accuracy[j][r]: at generated positions, how often the step-j draft's rank-r token is the model's
     greedy token (the chain started j positions back, inside the generated text)."""

@@ -165,8 +165,8 @@ def read_feature_config(directory: str):
 
 def load_feature_draft(directory: str, lm_head: nn.Module) -> nn.Module:
     """A feature draft from `directory`, on the LM head's device and dtype; refused for another model."""
-    from specpass.heads.feature_draft import FeatureDraft
+    from specpass.heads.feature_draft import FeatureDraftLayer
 
     config = read_feature_config(directory)
-    return load_for_model(FeatureDraft(config), config.model, lm_head, directory, FEATURE_WEIGHTS, FEATURE_HINT,
+    return load_for_model(FeatureDraftLayer(config), config.model, lm_head, directory, FEATURE_WEIGHTS, FEATURE_HINT,
                           "feature draft")  # fmt: skip

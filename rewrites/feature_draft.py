@@ -1,0 +1,147 @@
+"""Feature draft: a trained EAGLE-3 style draft layer (heads.feature_draft) added to the step.
+
+Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.).
+
+Rewrite, in two parts:
+* The verify graph gains one declared output (ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the
+  draft's `fuse` (a linear map of the draft's, a submodule of the step) over the residual stream
+  entering its three feature layers, concatenated [B, T, 3H]. That is what the draft's first step reads
+  at every verified token, computed where those states already are. The step's other outputs are not
+  touched (tested bit for bit).
+* The step gains a draft graph of kind "feature" (`heads.feature_draft.FeatureDraftStep`): one step of
+  the draft layer over the draft's own KV cache, passed in and returned (inputs tokens [N, T], states
+  [N, T, H], positions [N, T], past_keys / past_values [N, nkv, S, d], mask [N, T, S + T]; outputs
+  states, logits [N, T, D], vocab [D], keys / values [N, nkv, S + T, d]), with the model's own token
+  embedding (shared).
+
+Invariants. The draft must have been trained for this model (fingerprint of its LM head) and read
+layers the model has; otherwise the pass does not apply, with the reason, and the graph is left
+unchanged. Applying it twice (or after another draft pass) is refused. The `features` output is the
+draft's fuse over exactly the three layers' streams (`verify`). Not yet exportable to ONNX (the
+export is refused with this pass named).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from specpass.errors import GraphVerificationError, InvalidParameterError, SpecpassError
+from specpass.ir import arch_of
+from specpass.ir.draft import DRAFT_STATES, ROWS, DraftGraphSpec, DraftTensor, add_step_output, draft_spec, step_output, trace_draft
+from specpass.ir.roles import Role, annotate
+from specpass.ir.split import layer_output
+from specpass.passes.draft import DraftGraphPass
+
+FEATURE_DRAFT = "feature_draft"
+FEATURE_KIND = "feature"  # the draft-graph kind the feature drafter drives
+FEATURES = DRAFT_STATES  # the verify step's declared output: what the drafters read in place of hidden
+FUSE_MODULE = "feature_fuse"  # the step's submodule: the draft's fuse
+
+
+@dataclass(frozen=True)
+class FeatureDraft(DraftGraphPass):
+    """draft: a `specpass train-heads --kind eagle` directory, or "default" for the draft shipped for
+    the embedded default model."""
+
+    draft: str = "default"
+
+    ensures = frozenset({FEATURE_DRAFT})
+
+    def __post_init__(self):
+        if not isinstance(self.draft, str) or not self.draft:
+            raise InvalidParameterError(f"FeatureDraft.draft must be a directory or 'default', got {self.draft!r}")
+
+    def directory(self) -> str:
+        from specpass.heads.io import shipped_heads
+
+        return shipped_heads("eagle") if self.draft == "default" else self.draft
+
+    def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
+        from specpass.heads.io import model_mismatch, read_feature_config
+
+        try:
+            config = read_feature_config(self.directory())
+        except SpecpassError as exc:
+            return str(exc)
+        mismatch = model_mismatch("feature draft", self.directory(), config.model, config.hidden_size,
+                                  config.vocab_size, gm)  # fmt: skip
+        if mismatch is not None:
+            return mismatch
+        depth = arch_of(gm).num_layers
+        if not all(1 <= layer < depth for layer in config.feature_layers):
+            return (f"the feature draft in {self.directory()} reads the streams entering layers {config.feature_layers}; "
+                    f"the pass taps layers 1 .. {depth - 1} of this {depth}-layer model")  # fmt: skip
+        return None
+
+    def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
+        """The draft graph and its spec; the verify graph gains its `features` output here too (it needs
+        the loaded draft's fuse)."""
+        from specpass.heads.feature_draft import FeatureDraftStep
+        from specpass.heads.io import load_feature_draft
+
+        layer = load_feature_draft(self.directory(), gm.get_submodule("lm_head"))
+        config = layer.config
+        self._add_features(gm, layer.fuse, config.feature_layers)
+        draft = trace_draft(FeatureDraftStep(layer, gm.get_submodule("embed_tokens")), {"embed_tokens": Role.EMBED})
+        arch = arch_of(gm)
+        h, kv, d, vocab = config.hidden_size, config.num_kv_heads, config.head_dim, config.draft_vocab
+        spec = DraftGraphSpec(
+            kind=FEATURE_KIND,
+            source=self.name,
+            inputs=(
+                DraftTensor("tokens", (ROWS, "T"), "int64", bound=arch.vocab_size),
+                DraftTensor("states", (ROWS, "T", h), "model"),
+                DraftTensor("positions", (ROWS, "T"), "int64"),
+                DraftTensor("past_keys", (ROWS, kv, "S", d), "model"),
+                DraftTensor("past_values", (ROWS, kv, "S", d), "model"),
+                DraftTensor("mask", (ROWS, "T", "S+T"), "bool"),
+            ),
+            outputs=(
+                DraftTensor("states", (ROWS, "T", h), "model"),
+                DraftTensor("logits", (ROWS, "T", vocab), "model"),
+                DraftTensor("vocab", (vocab,), "int64"),
+                DraftTensor("keys", (ROWS, kv, "S+T", d), "model"),
+                DraftTensor("values", (ROWS, kv, "S+T", d), "model"),
+            ),
+            config=config,
+        )
+        return draft, spec, f"a feature draft layer over layers {config.feature_layers}, {vocab} draft tokens"
+
+    @staticmethod
+    def _add_features(gm: torch.fx.GraphModule, fuse: torch.nn.Module, layers: tuple[int, ...]) -> None:
+        """The verify graph's `features` output: fuse(cat(streams entering `layers`)) [B, T, H]."""
+        graph = gm.graph
+        streams = [layer_output(graph, layer - 1) for layer in layers]  # [B, T, H] each
+        gm.add_submodule(FUSE_MODULE, fuse)
+        output = next(n for n in graph.nodes if n.op == "output")
+        with graph.inserting_before(output):
+            joined = annotate(graph.call_function(torch.cat, (streams, -1)), Role.DRAFT)  # [B, T, 3H]
+            fused = annotate(graph.call_module(FUSE_MODULE, (joined,)), Role.DRAFT)  # [B, T, H]
+        add_step_output(gm, fused, FEATURES)
+
+    @classmethod
+    def config_from_dict(cls, data: dict):
+        from specpass.heads.feature_draft import FeatureDraftConfig
+
+        data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())),
+                    feature_layers=tuple(data["feature_layers"]))  # fmt: skip
+        return FeatureDraftConfig(**data)
+
+    def verify(self, gm: torch.fx.GraphModule) -> None:
+        """The step outputs `features`: its fuse over the streams entering the draft's three layers."""
+        super().verify(gm)
+        fused = step_output(gm, FEATURES)
+        if fused is None or fused.op != "call_module" or fused.target != FUSE_MODULE:
+            _fail(f"the step lost its declared output {FEATURES!r} (the draft's fuse over its feature layers)")
+        joined = fused.args[0]
+        layers = draft_spec(gm).config.feature_layers
+        expected = [layer_output(gm.graph, layer - 1) for layer in layers]
+        if joined.target is not torch.cat or list(joined.args[0]) != expected:
+            _fail(f"the {FEATURES!r} output does not read the streams entering layers {layers}")
+
+
+def _fail(message: str) -> None:
+    raise GraphVerificationError(f"FeatureDraft: {message}")
