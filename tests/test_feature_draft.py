@@ -322,3 +322,71 @@ def test_feature_sampling_equals_one_node_sampling_with_the_same_seed(trained):
         assert torch.equal(out.sequences, specpass.generate(model, ids, 24, options=plain, **settings).sequences)
         taus.append(out.stats.tau)
     assert sum(taus) / len(taus) > 1.2, taus
+
+
+def _session_parts(trained, prompt_length: int):
+    """The compiled program's draft graph and fuse, a sequence of the corpus and every position's fused
+    features from one full forward of the target."""
+    import specpass
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, corpus, _, directory, *_ = trained
+    program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(TreeAttention(8), FeatureDraft(directory)),
+                                               "drafter": specpass.drafters.Feature(), "cache_size": 64})  # fmt: skip
+    fuse = program.step.graph_module.get_submodule("feature_fuse")
+    tokens = corpus[0].tokens[: prompt_length + 8]
+    with torch.no_grad():
+        states = model(tokens[None], output_hidden_states=True).hidden_states
+        layers = program.draft.config.feature_layers
+        features = fuse(torch.cat([states[i] for i in layers], -1))[0]  # [L, H]
+    return program.draft, tokens.tolist(), features
+
+
+def _target_forward(features: torch.Tensor, choices: list[int]):
+    from specpass.drafters import TargetForward
+
+    return TargetForward(torch.zeros(len(choices), 1, dtype=torch.long), features, torch.tensor(choices))
+
+
+@torch.no_grad()
+def test_the_draft_cache_after_a_step_equals_recomputing_it(trained):
+    """A session's cache after a verify step's accepted path equals a session started on the longer prompt."""
+    from specpass.drafters.feature import Feature, FeatureSession
+    from specpass.drafters.tree import DraftTree
+
+    draft, tokens, features = _session_parts(trained, 8)
+    p = 8
+    session = FeatureSession(Feature(), draft, tokens[:p], _target_forward(features[:p], [0] * (p - 1) + [tokens[p]]))
+    tree = DraftTree.chain(tokens[p : p + 3])  # root x[P], then two accepted drafts
+    verified = _target_forward(features[p : p + 3], [tokens[p + 1], tokens[p + 2], tokens[p + 3]])
+    session.observe(tree, verified, [0, 1, 2], tokens[: p + 1])
+    fresh = FeatureSession(Feature(), draft, tokens[: p + 3],
+                           _target_forward(features[: p + 3], [0] * (p + 2) + [tokens[p + 3]]))  # fmt: skip
+    assert session.root == fresh.root == tokens[p + 3]
+    for a, b in ((session.keys, fresh.keys), (session.values, fresh.values), (session.state, fresh.state)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_dynamic_tree_is_the_brute_force_top_n(trained):
+    """The best-first tree over the session's drafted table holds exactly the N - 1 drafted paths of
+    highest path probability (EAGLE-2's reranking), at every size."""
+    from specpass.drafters.feature import Feature, FeatureSession
+    from specpass.drafters.heads import CandidateTable
+    from specpass.drafters.tree import build_tree
+
+    draft, tokens, features = _session_parts(trained, 10)
+    session = FeatureSession(Feature(top_k=4, beam=3, depth=4), draft, tokens[:10],
+                             _target_forward(features[:10], [0] * 9 + [tokens[10]]))  # fmt: skip
+    table = session._expand()
+    score = {(session.root,): 1.0}
+    for path in sorted(table, key=len):  # parents before children
+        for token, probability, *_ in table[path]:
+            score[(*path, token)] = score[path] * probability
+    drafted = sorted((p for p in score if len(p) > 1), key=lambda p: -score[p])
+    for n in (2, 5, 9, 17, len(drafted) + 1):
+        tree = build_tree(session.root, [CandidateTable(table, (session.root,), by_path=True)], n, max_depth=8)
+        by_node = [(session.root,)]
+        for token, parent in zip(tree.tokens[1:], tree.parents[1:]):
+            by_node.append((*by_node[parent], token))
+        assert set(by_node[1:]) == set(drafted[: n - 1])
