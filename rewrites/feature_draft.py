@@ -37,7 +37,6 @@ from specpass.passes.draft import DraftGraphPass
 
 FEATURE_DRAFT = "feature_draft"
 FEATURE_KIND = "feature"  # the draft-graph kind the feature drafter drives
-FEATURES = DRAFT_STATES  # the verify step's declared output: what the drafters read in place of hidden
 FUSE_MODULE = "feature_fuse"  # the step's submodule: the draft's fuse
 
 
@@ -120,7 +119,7 @@ class FeatureDraft(DraftGraphPass):
         with graph.inserting_before(output):
             joined = annotate(graph.call_function(torch.cat, (streams, -1)), Role.DRAFT)  # [B, T, 3H]
             fused = annotate(graph.call_module(FUSE_MODULE, (joined,)), Role.DRAFT)  # [B, T, H]
-        add_step_output(gm, fused, FEATURES)
+        add_step_output(gm, fused, DRAFT_STATES)
 
     @classmethod
     def config_from_dict(cls, data: dict):
@@ -133,14 +132,14 @@ class FeatureDraft(DraftGraphPass):
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """The step outputs `features`: its fuse over the streams entering the draft's three layers."""
         super().verify(gm)
-        fused = step_output(gm, FEATURES)
+        fused = step_output(gm, DRAFT_STATES)
         if fused is None or fused.op != "call_module" or fused.target != FUSE_MODULE:
-            _fail(f"the step lost its declared output {FEATURES!r} (the draft's fuse over its feature layers)")
+            _fail(f"the step lost its declared output {DRAFT_STATES!r} (the draft's fuse over its feature layers)")
         joined = fused.args[0]
         layers = draft_spec(gm).config.feature_layers
         expected = [layer_output(gm.graph, layer - 1) for layer in layers]
         if joined.target is not torch.cat or list(joined.args[0]) != expected:
-            _fail(f"the {FEATURES!r} output does not read the streams entering layers {layers}")
+            _fail(f"the {DRAFT_STATES!r} output does not read the streams entering layers {layers}")
 
 
 def _fail(message: str) -> None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpass.errors import InvalidParameterError, require_positive_ints
+from specpass.ir.decode_step import ApplyRope
 
 
 @dataclass(frozen=True)
@@ -106,16 +107,12 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (HF's half-split form, base `theta`) of x [..., T, D] at positions [..., T]."""
-    dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)  # [D/2]
-    angles = positions[..., None].float() * inv_freq  # [..., T, D/2]
-    angles = torch.cat((angles, angles), -1)  # [..., T, D]
-    cos, sin = angles.cos(), angles.sin()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def rotary(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, dim] of HF's half-split rotary embedding (base `theta`) at positions [B, T]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)  # [D/2]
+    angles = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    angles = torch.cat((angles, angles), -1)  # [B, T, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 class FeatureDraftLayer(nn.Module):
@@ -139,6 +136,7 @@ class FeatureDraftLayer(nn.Module):
         self.final_norm = RMSNorm(h, config.rms_eps)
         self.head = nn.Linear(h, config.draft_vocab, bias=False)
         self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab, dtype=torch.long))
+        self.rope = ApplyRope(dim, dim)
 
     def project(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor):
         """Queries [B, nh, T, d] and keys, values [B, nkv, T, d] of inputs embeds, states [B, T, H] at
@@ -149,8 +147,9 @@ class FeatureDraftLayer(nn.Module):
         q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        where = positions[:, None, :]  # [B, 1, T]
-        return rotate(q, where, self.config.rope_theta), rotate(k, where, self.config.rope_theta), v
+        cos, sin = rotary(positions, c.head_dim, c.rope_theta, q.dtype)  # [B, T, d] each, once for q and k
+        q, k = self.rope(q, k, cos, sin)
+        return q, k, v
 
     def finish(self, states: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:  # fmt: skip

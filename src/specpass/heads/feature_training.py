@@ -132,12 +132,12 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     total = config.epochs * batches
     optimizer, schedule = cosine_adamw([p for p in draft.parameters() if p.requires_grad], config.lr, total)
     generator = torch.Generator().manual_seed(config.seed)
-    order_by_length = data.valid.sum(1)
+    lengths = data.valid.sum(1)  # [N]: positions with a target
     losses: list[float] = []
     bar = tqdm(total=total, desc=f"training a feature draft ({config.steps} chain steps)", disable=not progress)
     for _ in range(config.epochs):
         for batch in torch.randperm(len(corpus), generator=generator).split(config.sequences):
-            width = int(order_by_length[batch].max())
+            width = int(lengths[batch].max())
             with torch.no_grad():
                 embeds = embed(data.tokens[batch, 1 : width + 1])  # [B, T, H]: e(x[s+1])
             outputs = draft.forward_chains(data.features[batch, :width].float(), embeds, config.steps)
