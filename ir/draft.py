@@ -31,6 +31,7 @@ graph is called one of two ways:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,15 +57,22 @@ class DraftTensor:
     """One input or output of a draft graph."""
 
     name: str
-    shape: tuple[int | str, ...]  # ROWS ("N") for the row dimension, ints for fixed sizes
+    shape: tuple[int | str, ...]  # ROWS ("N") for the row dimension, ints for fixed sizes, other names for
+    # sizes set per call ("T", "S"; "S+T" is their sum)
     dtype: str  # "model": the model's float dtype; or "int64", "bool"; "step": one of the verify step's own inputs
     bound: int | None = None  # int64 inputs: valid values are [0, bound)
 
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.dtype == "model" else _DTYPES[self.dtype]
 
-    def concrete_shape(self, rows: int) -> tuple[int, ...]:
-        return tuple(rows if d == ROWS else d for d in self.shape)
+    def concrete_shape(self, rows: int, sizes: Mapping[str, int] | None = None) -> tuple[int, ...]:
+        """The shape for `rows` rows and `sizes` of the other named dimensions ("S+T": their sum)."""
+        sizes = {**(sizes or {}), ROWS: rows}
+        return tuple(d if isinstance(d, int) else sum(sizes[part] for part in d.split("+")) for d in self.shape)
+
+    def named_dims(self) -> dict[int, str]:
+        """{axis: name} of the dimensions that are one named size (ROWS, "T"; not a sum like "S+T")."""
+        return {i: d for i, d in enumerate(self.shape) if isinstance(d, str) and "+" not in d}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,11 @@ class DraftGraphSpec:
     outputs: tuple[DraftTensor, ...]
     config: Any  # the kind's own frozen config
     shares_cache: bool = False  # called as a step, writing the verify step's KV cache (see the module docstring)
+
+    def __post_init__(self):
+        names = [t.name for t in (*self.inputs, *self.outputs)]
+        if len(set(names)) != len(names):  # a graph's value names are unique (ONNX requires it)
+            raise ValueError(f"a draft graph's inputs and outputs need distinct names, got {names}")
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -166,16 +179,27 @@ def trace_draft(module: nn.Module, roles: dict[str, Role]) -> torch.fx.GraphModu
     return draft
 
 
-def sample_inputs(spec: DraftGraphSpec, model_dtype: torch.dtype, rows: int, seed: int = 1) -> dict[str, torch.Tensor]:
-    """Random inputs of `rows` rows within the spec's bounds (for export and the ORT check)."""
+def named_sizes(spec: DraftGraphSpec, inputs: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """The sizes of the spec's named dimensions (ROWS, "T", "S", ...) in actual inputs, by name."""
+    return {name: inputs[t.name].shape[axis] for t in spec.inputs for axis, name in t.named_dims().items()}
+
+
+def sample_inputs(spec: DraftGraphSpec, model_dtype: torch.dtype, rows: int, seed: int = 1,
+                  sizes: Mapping[str, int] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Random inputs of `rows` rows within the spec's bounds (for export and the ORT check); `sizes` of
+    the other named dimensions (default: 2, 3, 4, ... in order of appearance, none equal to another).
+    A bool input (a mask) has its last entry along the last axis set, so no query attends to nothing."""
+    names = [d for t in spec.inputs for d in t.named_dims().values() if d != ROWS]
+    sizes = sizes or {name: rows + 1 + i for i, name in enumerate(dict.fromkeys(names))}
     gen = torch.Generator().manual_seed(seed)
     inputs = {}
     for t in spec.inputs:
-        shape, dtype = t.concrete_shape(rows), t.torch_dtype(model_dtype)
+        shape, dtype = t.concrete_shape(rows, sizes), t.torch_dtype(model_dtype)
         if dtype.is_floating_point:
             inputs[t.name] = torch.randn(shape, generator=gen).to(dtype)
         elif dtype == torch.bool:
             inputs[t.name] = torch.rand(shape, generator=gen) < 0.5
+            inputs[t.name][..., -1] = True
         else:
             inputs[t.name] = torch.randint(0, t.bound or 2, shape, generator=gen, dtype=dtype)
     return inputs

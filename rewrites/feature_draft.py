@@ -11,14 +11,16 @@ Rewrite, in two parts:
 * The step gains a draft graph of kind "feature" (`heads.feature_draft.FeatureDraftStep`): one step of
   the draft layer over the draft's own KV cache, passed in and returned (inputs tokens [N, T], states
   [N, T, H], positions [N, T], past_keys / past_values [N, nkv, S, d], mask [N, T, S + T]; outputs
-  states, logits [N, T, D], vocab [D], keys / values [N, nkv, S + T, d]), with the model's own token
+  new_states [N, T, H], logits [N, T, D], vocab [D], keys / values [N, nkv, S + T, d]), with the model's own token
   embedding (shared).
 
 Invariants. The draft must have been trained for this model (fingerprint of its LM head) and read
 layers the model has; otherwise the pass does not apply, with the reason, and the graph is left
 unchanged. Applying it twice (or after another draft pass) is refused. The `features` output is the
-draft's fuse over exactly the three layers' streams (`verify`). Not yet exportable to ONNX (the
-export is refused with this pass named).
+draft's fuse over exactly the three layers' streams (`verify`).
+
+ONNX (backends.onnx): the declared output is one more output of model.onnx, and the draft graph goes to
+draft.onnx with its cache as inputs and outputs, its rows, T and S dynamic (backends.onnx.draft).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from specpass.ir.draft import DRAFT_STATES, ROWS, DraftGraphSpec, DraftTensor, a
 from specpass.ir.roles import Role, annotate
 from specpass.ir.split import layer_output
 from specpass.passes.draft import DraftGraphPass
+from specpass.passes.export import ExportHook
 
 FEATURE_DRAFT = "feature_draft"
 FEATURE_KIND = "feature"  # the draft-graph kind the feature drafter drives
@@ -57,6 +60,10 @@ class FeatureDraft(DraftGraphPass):
         from specpass.heads.io import shipped_heads
 
         return shipped_heads("eagle") if self.draft == "default" else self.draft
+
+    def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype) -> ExportHook:
+        """Nothing beside the step: the declared output is the step's, the draft graph is draft.onnx."""
+        return ExportHook()
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
         from specpass.heads.io import model_mismatch, read_feature_config
@@ -99,7 +106,7 @@ class FeatureDraft(DraftGraphPass):
                 DraftTensor("mask", (ROWS, "T", "S+T"), "bool"),
             ),
             outputs=(
-                DraftTensor("states", (ROWS, "T", h), "model"),
+                DraftTensor("new_states", (ROWS, "T", h), "model"),
                 DraftTensor("logits", (ROWS, "T", vocab), "model"),
                 DraftTensor("vocab", (vocab,), "int64"),
                 DraftTensor("keys", (ROWS, kv, "S+T", d), "model"),

@@ -277,14 +277,43 @@ def test_the_pass_is_refused_twice_on_another_model_and_where_its_layers_are_mis
         FeatureDraft("")
 
 
-def test_the_export_refuses_the_feature_draft_with_the_reason(saved_draft, tmp_path):
+def test_the_export_carries_the_features_and_the_draft_cache_and_ort_equals_hf_greedy(trained, tmp_path):
+    """model.onnx gains the declared output, draft.onnx takes and returns the draft's cache with rows, T
+    and S dynamic (checked against PyTorch at other sizes than traced); on ORT the feature drafter's
+    greedy equals HF greedy alone and in a batch of rows of different lengths, drafting as in PyTorch."""
+    import json
+
     import specpass
+    from conftest import padded
     from specpass.backends.onnx.export import export
+    from specpass.drafters import Feature
     from specpass.rewrites import FeatureDraft, TreeAttention
 
-    model, directory, _ = saved_draft
-    with pytest.raises(specpass.SpecpassError, match="cannot express pass FeatureDraft"):
-        export(model, specpass.Pipeline(TreeAttention(8), FeatureDraft(directory)), str(tmp_path / "out"), progress=False)
+    model, corpus, _, directory, *_ = trained
+    pipeline = specpass.Pipeline(TreeAttention(16), FeatureDraft(directory))
+    out = str(tmp_path / "export")
+    export(model, pipeline, out, progress=False)
+    manifest = json.load(open(f"{out}/manifest.json"))
+    assert [o["name"] for o in manifest["outputs"]][-1] == "draft_states"
+    assert manifest["check"]["max_abs_diff"]["draft_states"] < 1e-4
+    assert manifest["draft"]["check_max_abs_diff"] < 1e-4
+    draft_inputs = {t["name"]: t["shape"] for t in manifest["draft"]["spec"]["inputs"]}
+    assert draft_inputs["past_keys"][2] == "S" and draft_inputs["mask"] == ["N", "T", "S+T"]
+    prompts = [c.tokens[: c.start + 1][None] for c in corpus[:2]]
+    prompts.append(torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(11)))
+    program = specpass.load_onnx(out, drafter=Feature(), cache_size=96, budget=12, rows=3)
+    eager = specpass.compile_program(model, {"pipeline": pipeline, "drafter": Feature(), "cache_size": 96, "budget": 12})
+    for ids in prompts:
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=None)  # fmt: skip
+        on_ort = specpass.generate(program, ids, 24, eos_token_id=[])
+        assert torch.equal(on_ort.sequences, reference)
+        assert on_ort.stats.tau == pytest.approx(specpass.generate(eager, ids, 24, eos_token_id=[]).stats.tau)
+    ids, mask = padded(prompts)
+    batch = specpass.generate(program, ids, 20, attention_mask=mask, eos_token_id=[])
+    for row, new in zip(prompts, batch.new_tokens):
+        alone = model.generate(row, max_new_tokens=20, do_sample=False, eos_token_id=None)
+        assert list(new) == alone[0, row.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("lowering", ["eager", "onednn", "inductor"])
@@ -378,7 +407,8 @@ def test_the_dynamic_tree_is_the_brute_force_top_n(trained):
     draft, tokens, features = _session_parts(trained, 10)
     session = FeatureSession(Feature(top_k=4, beam=3, depth=4), draft, tokens[:10],
                              _target_forward(features[:10], [0] * 9 + [tokens[10]]))  # fmt: skip
-    table = session._expand()
+    FeatureSession.draft_rows([session])
+    table = session.table
     score = {(session.root,): 1.0}
     for path in sorted(table, key=len):  # parents before children
         for token, probability, *_ in table[path]:
@@ -390,3 +420,55 @@ def test_the_dynamic_tree_is_the_brute_force_top_n(trained):
         for token, parent in zip(tree.tokens[1:], tree.parents[1:]):
             by_node.append((*by_node[parent], token))
         assert set(by_node[1:]) == set(drafted[: n - 1])
+
+
+class _CountedDraft:
+    """A draft graph that counts its calls."""
+
+    def __init__(self, draft):
+        self.draft, self.spec, self.calls = draft, draft.spec, 0
+
+    @property
+    def config(self):
+        return self.draft.config
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.draft(*args)
+
+
+@torch.no_grad()
+def test_rows_drafted_at_once_equal_each_row_alone(trained):
+    """Three rows of different lengths drafted together take one draft call per depth (plus one appending
+    every row's pending tokens) and get the tables and caches each row gets alone, before and after a
+    verify step."""
+    from specpass.drafters.feature import Feature, FeatureSession
+    from specpass.drafters.tree import DraftTree
+
+    draft, tokens, features = _session_parts(trained, 12)
+    config = Feature(top_k=4, beam=3, depth=4)
+    lengths = (6, 9, 12)
+
+    def sessions(graph):
+        return [FeatureSession(config, graph, tokens[:p], _target_forward(features[:p], [0] * (p - 1) + [tokens[p]]))
+                for p in lengths]  # fmt: skip
+
+    counted = _CountedDraft(draft)
+    together, alone = sessions(counted), sessions(draft)
+    for step in range(2):
+        FeatureSession.draft_rows(together)
+        assert counted.calls == (step + 1) * config.depth
+        for row, single in zip(together, alone):
+            FeatureSession.draft_rows([single])
+            assert row.table.keys() == single.table.keys()
+            for path, candidates in row.table.items():
+                assert [c[0] for c in candidates] == [c[0] for c in single.table[path]]
+                torch.testing.assert_close([c[2][2] for c in candidates], [c[2][2] for c in single.table[path]],
+                                           rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(row.keys, single.keys, rtol=1e-5, atol=1e-5)
+        for row, single, p in zip(together, alone, lengths):  # the next two tokens accepted, then the bonus
+            tree = DraftTree.chain(tokens[p : p + 2])
+            verified = _target_forward(features[p : p + 2], [tokens[p + 1], tokens[p + 2]])
+            for session in (row, single):
+                session.observe(tree, verified, [0, 1], tokens[: p + 1])
+        lengths = tuple(p + 2 for p in lengths)

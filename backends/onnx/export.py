@@ -40,6 +40,7 @@ from specpass.backends.onnx.draft import export_draft
 from specpass.backends.onnx.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, check_against_torch, ort_session
 from specpass.errors import ExportError, SpecpassError
 from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
+from specpass.ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
 from specpass.passes import Pass, Pipeline
 from specpass.passes.export import ExportGraph, ExportHook
 from specpass.rewrites.kv_eviction import EVICTION_META
@@ -59,6 +60,7 @@ MEANING = {
     "new_keys": "keys of the T tokens; commit an accepted path with new_keys[..., path, :]",
     "new_values": "values of the T tokens",
     "queries": "queries of the T tokens (KV eviction: observe.onnx scores the accepted ones)",
+    DRAFT_STATES: "what the draft graph reads of each of the T tokens (a feature draft's fused features)",
 }
 
 
@@ -97,6 +99,7 @@ def _shapes(arch: ArchSpec, batch: int, t: int, s: int) -> dict[str, tuple]:
         "logits": (batch, t, arch.vocab_size), "hidden": (batch, t, arch.hidden_size),
         "new_keys": (*kv, t, arch.head_dim), "new_values": (*kv, t, arch.head_dim),
         "queries": (arch.num_layers, batch, arch.num_heads, t, arch.head_dim),
+        DRAFT_STATES: (batch, t, arch.hidden_size),
     }  # fmt: skip
 
 
@@ -124,8 +127,11 @@ def rewritten_step(model: nn.Module, pipeline: Pipeline) -> torch.fx.GraphModule
 
 
 def output_names(step: torch.fx.GraphModule) -> list[str]:
-    """The exported step's outputs: logits, hidden, new K/V, and the queries when it evicts."""
-    return ["logits", "hidden", *KV_OUTPUTS, *([QUERIES_OUTPUT] if EVICTION_META in step.meta else [])]
+    """The exported step's outputs: logits, hidden, new K/V, the queries when it evicts, then the outputs
+    draft passes declared (ir.draft.add_step_output), in their order."""
+    declared = sorted(step.meta.get(STEP_OUTPUTS_META, {}).items(), key=lambda item: item[1])
+    return ["logits", "hidden", *KV_OUTPUTS, *([QUERIES_OUTPUT] if EVICTION_META in step.meta else []),
+            *(name for name, _ in declared)]  # fmt: skip
 
 
 def export(

@@ -41,6 +41,7 @@ from specpass.backends.onnx.ort import bind, ort_session, read_manifest, run_bin
 from specpass.backends.runtime.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
+from specpass.ir.draft import DRAFT_STATES
 from specpass.ir.layout import RowsLayout, SlotLayout
 from specpass.passes import Pipeline
 from specpass.rewrites.kv_eviction import KVEviction
@@ -104,6 +105,8 @@ class OrtProgram(DecodeProgram):
         if "draft" in self.manifest:
             self.draft = OrtDraft(directory, self.manifest["draft"], self.device, self.dtype)
         m = self.manifest
+        declared = {output["name"] for output in m["outputs"]}
+        self.states_name = DRAFT_STATES if DRAFT_STATES in declared else "hidden"  # what the drafters read
         self._kv_shape = (m["num_layers"], m["num_kv_heads"], m["head_dim"])
         slots = KV_BUCKET if policy is None else policy.budget  # an evicting cache never grows
         self.keys = self._zeros_cache(1, slots)  # [L, B, KV, S, D]: B live rows
@@ -157,7 +160,7 @@ class OrtProgram(DecodeProgram):
             outputs = self._run(inputs, layout.size)
         self._new = (outputs["new_keys"], outputs["new_values"])
         self.queries = outputs.get(QUERIES_OUTPUT)
-        return outputs["logits"], outputs["hidden"]
+        return outputs["logits"], outputs[self.states_name]
 
     def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
         """Copy each row's path from the last step's new_keys / new_values into its committed slots."""
@@ -191,6 +194,8 @@ class OrtProgram(DecodeProgram):
         }
         if self.evicts:
             outputs[QUERIES_OUTPUT] = torch.empty(layers, batch, m["num_heads"], t, dim, **kw)
+        if self.states_name == DRAFT_STATES:
+            outputs[DRAFT_STATES] = torch.empty(batch, t, m["hidden_size"], **kw)
         return outputs
 
     def _run(self, inputs: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:

@@ -108,6 +108,12 @@ class DraftSession(ABC):
         """Learn from a verify step of `tree` whose accepted nodes are `path`; tokens is the sequence
         up to and including the tree's root."""
 
+    @classmethod
+    def draft_rows(cls, sessions: Sequence[DraftSession]) -> None:
+        """Prepare the next candidates of several rows' sessions of this class at once, ahead of their
+        candidates() calls (drafters.FeatureSession: one draft call per depth for every row). The
+        default does nothing: each session drafts in its own candidates()."""
+
     def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
         """[T, H]: when this session already ran every node of `tree` through the layers below an
         early exit, in the node's own tree slot (drafters.SelfDraft), the states after them; the
@@ -234,6 +240,12 @@ class PerRowDrafting(RowsDrafting):
         self.drafting_row = drafting_row or (lambda b: contextlib.nullcontext())
 
     def draft(self, histories, max_nodes, max_depths) -> TreeRows:
+        by_class: dict[type, list[DraftSession]] = {}
+        for row in self.rows:
+            for session in row.sessions:
+                by_class.setdefault(type(session), []).append(session)
+        for kind, sessions in by_class.items():
+            kind.draft_rows(sessions)
         trees = []
         for b, (row, tokens, depth) in enumerate(zip(self.rows, histories, max_depths, strict=True)):
             with self.drafting_row(b):  # a self-draft writes its chain's lower layers in this row

@@ -2,19 +2,23 @@
 rewrites.FeatureDraft).
 
 The verify step returns, for every token it ran, the draft's fused features of it (the step's declared
-`features` output, which the program hands the drafters as `hidden`). The session keeps the draft's
-own KV cache of the verified prefix: step 0 of the draft at every committed position s, reading its
-features and the embedding of x[s+1] (heads.feature_draft). After each verify step it appends the
-accepted path (one draft call), whose last output predicts the children of the next root.
+`features` output, which the program hands the drafters as `hidden`). Each session (one row) keeps the
+draft's own KV cache of the verified prefix: step 0 of the draft at every committed position s, reading
+its features and the embedding of x[s+1] (heads.feature_draft). A verify step's accepted path is
+appended lazily, by the next drafting, whose last output predicts the children of the next root.
 
-Drafting a tree (`candidates`): depth 1 is the top-k of that prediction. Depth d + 1 expands the `beam`
-likeliest depth-d paths (by the product of their draft probabilities, EAGLE-2) in one draft call: each
-path's last token at position P + d - 1 (P: the root's position), reading its parent's output state
-and attending to the prefix cache and to its own ancestors' keys (a tree mask over the draft's
-cache). Every expanded path contributes its top-k children as candidates, scored by their draft
-probability calibrated per depth against what the target accepts (`stats.ProbabilityCalibration`),
-so the best-first builder keeps the likeliest nodes overall (EAGLE-2's reranking) and merges them
-with other drafters' proposals in one tree.
+Drafting a tree: depth 1 is the top-k of that prediction. Depth d + 1 expands the `beam` likeliest
+depth-d paths (by the product of their draft probabilities, EAGLE-2) in one draft call: each path's last
+token at position P + d - 1 (P: the root's position), reading its parent's output state and attending to
+the prefix cache and to its own ancestors' keys (a tree mask over the draft's cache). Every expanded
+path contributes its top-k children as candidates, scored by their draft probability calibrated per
+depth against what the target accepts (`stats.ProbabilityCalibration`), so the best-first builder keeps
+the likeliest nodes overall (EAGLE-2's reranking) and merges them with other drafters' proposals in one
+tree.
+
+Rows at once (`FeatureSession.draft_rows`): a batch's sessions append and expand in the same draft
+calls, 1 + (depth - 1) a step for all rows: each row's cache right-padded to the longest, the padding
+masked out, each row at its own positions. A row drafted alone runs the same code with one row.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specpass.drafters.base import Drafter, DraftModel, DraftSession, TargetForward, check_params
-from specpass.drafters.heads import HeadStats, CandidateTable
+from specpass.drafters.heads import CandidateTable, HeadStats
 from specpass.drafters.tree import DraftTree
 from specpass.errors import InvalidParameterError
 
@@ -65,31 +70,33 @@ class FeatureSession(DraftSession):
         empty = features.new_zeros(1, layer.num_kv_heads, 0, layer.head_dim)
         self.keys, self.values = empty, empty  # [1, nkv, S, d]: step 0 at every committed position
         self.root = int(prefill.choices[-1])
-        self._append([*prompt[1:], self.root], features)
-
-    def _append(self, next_tokens: Sequence[int], features: torch.Tensor) -> None:
-        """Step 0 at the next len(next_tokens) positions: their features [n, H], each with the token after
-        it; the last one's output predicts what follows the root."""
-        n, cached = len(next_tokens), self.keys.shape[2]
-        device = features.device
-        mask = torch.ones(1, n, cached + n, dtype=torch.bool, device=device)
-        mask[0, :, cached:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        tokens = torch.tensor([list(next_tokens)], device=device)  # [1, n]
-        positions = torch.arange(cached, cached + n, device=device)[None]  # [1, n]
-        with torch.no_grad():
-            states, logits, vocab, self.keys, self.values = self.draft(tokens, features[None], positions, self.keys,
-                                                                       self.values, mask)  # fmt: skip
-        self.state, self.logits, self.vocab = states[0, -1], logits[0, -1], vocab  # [H], [D], [D]
+        self.pending: tuple[list[int], torch.Tensor] | None = ([*prompt[1:], self.root], features)
+        self.state = self.logits = self.vocab = None  # [H], [D], [D]: the cache's last output
+        self.table: dict[tuple[int, ...], list] | None = None  # drafted by draft_rows, not yet handed out
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         bonus = int(verified.choices[path[-1]])
-        self._append([tree.tokens[i] for i in path[1:]] + [bonus], verified.hidden[list(path)])
-        self.root = bonus
+        self.pending = ([tree.tokens[i] for i in path[1:]] + [bonus], verified.hidden[list(path)])
+        self.root, self.table = bonus, None
 
     def candidates(self, tokens: Sequence[int]):
         if tokens[-1] != self.root:
             raise AssertionError("the feature session lost track of the root")  # the decode loop's contract
-        return CandidateTable(self._expand(), (self.root,), by_path=True)
+        if self.table is None:
+            FeatureSession.draft_rows([self])
+        table, self.table = self.table, None
+        return CandidateTable(table, (self.root,), by_path=True)
+
+    @classmethod
+    @torch.no_grad()
+    def draft_rows(cls, sessions: Sequence[FeatureSession]) -> None:
+        """Each session's candidate table for its next tree, drafted for all of them at once (module
+        docstring); their candidates() hand the tables out."""
+        if len({id(s.draft) for s in sessions}) > 1:
+            raise AssertionError("rows drafted at once share one draft graph")  # one program, one draft
+        _append_rows([s for s in sessions if s.pending is not None])
+        for session, table in zip(sessions, _expand_rows(sessions)):
+            session.table = table
 
     def _ranked(self, logits: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
         """Each row of logits [N, D]: its top-k tokens and their draft probabilities."""
@@ -100,38 +107,92 @@ class FeatureSession(DraftSession):
         return [(t, self.stats.calibration(depth, p), (depth, r, p), None)
                 for r, (t, p) in enumerate(zip(tokens, probs))]  # fmt: skip
 
-    @torch.no_grad()
-    def _expand(self) -> dict[tuple[int, ...], list]:
-        """Candidates per drafted path (root first), depth by depth (module docstring)."""
-        table: dict[tuple[int, ...], list] = {}
-        tokens, probs = self._ranked(self.logits[None])
-        table[(self.root,)] = self._scored(0, tokens[0], probs[0])
-        prefix = self.keys.shape[2]  # the root's position: the draft cache holds positions [0, prefix)
-        device = self.keys.device
-        keys, values = self.keys, self.values
-        state_of = {(self.root,): self.state}  # a path's output state: what its children's expansion reads
-        key_of: dict[tuple[int, ...], int] = {}  # an expanded path's key index in `keys`
-        scored = [((self.root, t), p) for t, p in zip(tokens[0], probs[0])]
-        for depth in range(1, self.config.depth):
-            frontier = sorted(scored, key=lambda item: -item[1])[: self.config.beam]
-            if not frontier:
-                break
-            paths = [path for path, _ in frontier]
-            cached, n = keys.shape[2], len(paths)
-            mask = torch.zeros(1, n, cached + n, dtype=torch.bool, device=device)
-            mask[0, :, :prefix] = True
-            for i, path in enumerate(paths):  # its ancestors' expansion keys, and its own
-                for j in range(2, len(path)):
-                    mask[0, i, key_of[path[:j]]] = True
-                mask[0, i, cached + i] = True
-            inputs = torch.tensor([[path[-1] for path in paths]], device=device)  # [1, n]
-            parents = torch.stack([state_of[path[:-1]] for path in paths])[None]  # [1, n, H]
-            positions = torch.full((1, n), prefix + depth - 1, device=device)
-            states, logits, _, keys, values = self.draft(inputs, parents, positions, keys, values, mask)
-            tokens, probs = self._ranked(logits[0])
-            scored = []
-            for i, ((path, score), row_tokens, row_probs) in enumerate(zip(frontier, tokens, probs)):
-                state_of[path], key_of[path] = states[0, i], cached + i
-                table[path] = self._scored(depth, row_tokens, row_probs)
-                scored += [((*path, t), score * p) for t, p in zip(row_tokens, row_probs)]
-        return table
+
+def _padded_caches(sessions: Sequence[FeatureSession]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The sessions' caches right-padded to the longest: keys, values [R, nkv, S_max, d], and each one's length."""
+    lengths = [s.keys.shape[2] for s in sessions]
+    if len(sessions) == 1:
+        return sessions[0].keys, sessions[0].values, lengths
+    keys = sessions[0].keys.new_zeros(len(sessions), *sessions[0].keys.shape[1:2], max(lengths), sessions[0].keys.shape[3])
+    values = torch.zeros_like(keys)
+    for r, s in enumerate(sessions):
+        keys[r, :, : lengths[r]], values[r, :, : lengths[r]] = s.keys[0], s.values[0]
+    return keys, values, lengths
+
+
+def _append_rows(sessions: Sequence[FeatureSession]) -> None:
+    """Step 0 at each session's pending positions (its tokens and their features [n, H]), one draft call
+    for all; each cache grows by its own n, and its last output predicts what follows its root."""
+    if not sessions:
+        return
+    keys, values, lengths = _padded_caches(sessions)
+    counts = [len(s.pending[0]) for s in sessions]
+    rows, cached, n = len(sessions), keys.shape[2], max(counts)
+    device = keys.device
+    mask = np.zeros((rows, n, cached + n), dtype=bool)
+    tokens = np.zeros((rows, n), dtype=np.int64)
+    positions = np.zeros((rows, n), dtype=np.int64)
+    features = keys.new_zeros(rows, n, sessions[0].pending[1].shape[-1])  # [R, n, H]
+    for r, (s, length, count) in enumerate(zip(sessions, lengths, counts)):
+        mask[r, :, :length] = True
+        mask[r, :, cached : cached + n] = np.tril(np.ones((n, n), dtype=bool))
+        tokens[r, :count] = s.pending[0]
+        positions[r] = np.arange(length, length + n)
+        features[r, :count] = s.pending[1]
+    states, logits, vocab, keys, values = sessions[0].draft(
+        torch.from_numpy(tokens).to(device), features, torch.from_numpy(positions).to(device), keys, values,
+        torch.from_numpy(mask).to(device))  # fmt: skip
+    for r, (s, length, count) in enumerate(zip(sessions, lengths, counts)):
+        kept = [*range(length), *range(cached, cached + count)]
+        s.keys, s.values = (keys, values) if rows == 1 and count == n else (keys[r : r + 1, :, kept], values[r : r + 1, :, kept])
+        s.state, s.logits, s.vocab, s.pending = states[r, count - 1], logits[r, count - 1], vocab, None
+
+
+def _expand_rows(sessions: Sequence[FeatureSession]) -> list[dict[tuple[int, ...], list]]:
+    """Every session's candidates per drafted path (root first), depth by depth, all rows in each draft
+    call (module docstring)."""
+    config = sessions[0].config
+    keys, values, prefixes = _padded_caches(sessions)  # a row's root sits at position prefixes[r]
+    device = keys.device
+    rows = len(sessions)
+    tables: list[dict] = [{} for _ in sessions]
+    state_of: list[dict] = [{(s.root,): s.state} for s in sessions]  # a path's output state: its children read it
+    key_of: list[dict] = [{} for _ in sessions]  # an expanded path's key index in `keys`
+    scored: list[list] = []
+    tokens, probs = sessions[0]._ranked(torch.stack([s.logits for s in sessions]))  # [R, D] rows
+    for r, s in enumerate(sessions):
+        tables[r][(s.root,)] = s._scored(0, tokens[r], probs[r])
+        scored.append([((s.root, t), p) for t, p in zip(tokens[r], probs[r])])
+    for depth in range(1, config.depth):
+        frontiers = [sorted(row, key=lambda item: -item[1])[: config.beam] for row in scored]
+        n = max(len(f) for f in frontiers)
+        if n == 0:
+            break
+        cached = keys.shape[2]
+        mask = np.zeros((rows, n, cached + n), dtype=bool)
+        inputs = np.zeros((rows, n), dtype=np.int64)
+        positions = np.zeros((rows, n), dtype=np.int64)
+        parents = keys.new_zeros(rows, n, sessions[0].state.shape[-1])  # [R, n, H]
+        for r, frontier in enumerate(frontiers):
+            mask[r, :, : prefixes[r]] = True
+            mask[r, np.arange(n), cached + np.arange(n)] = True  # each its own key (padding too)
+            positions[r] = prefixes[r] + depth - 1
+            for i, (path, _) in enumerate(frontier):
+                for j in range(2, len(path)):  # its ancestors' expansion keys
+                    mask[r, i, key_of[r][path[:j]]] = True
+                inputs[r, i] = path[-1]
+                parents[r, i] = state_of[r][path[:-1]]
+        states, logits, _, keys, values = sessions[0].draft(
+            torch.from_numpy(inputs).to(device), parents, torch.from_numpy(positions).to(device), keys, values,
+            torch.from_numpy(mask).to(device))  # fmt: skip
+        tokens, probs = sessions[0]._ranked(logits.flatten(0, 1))  # [R * n] rows
+        scored = []
+        for r, (s, frontier) in enumerate(zip(sessions, frontiers)):
+            row = []
+            for i, (path, score) in enumerate(frontier):
+                row_tokens, row_probs = tokens[r * n + i], probs[r * n + i]
+                state_of[r][path], key_of[r][path] = states[r, i], cached + i
+                tables[r][path] = s._scored(depth, row_tokens, row_probs)
+                row += [((*path, t), score * p) for t, p in zip(row_tokens, row_probs)]
+            scored.append(row)
+    return tables
