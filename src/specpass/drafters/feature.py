@@ -113,7 +113,8 @@ def _padded_caches(sessions: Sequence[FeatureSession]) -> tuple[torch.Tensor, to
     lengths = [s.keys.shape[2] for s in sessions]
     if len(sessions) == 1:
         return sessions[0].keys, sessions[0].values, lengths
-    keys = sessions[0].keys.new_zeros(len(sessions), *sessions[0].keys.shape[1:2], max(lengths), sessions[0].keys.shape[3])
+    _, heads, _, dim = sessions[0].keys.shape
+    keys = sessions[0].keys.new_zeros(len(sessions), heads, max(lengths), dim)
     values = torch.zeros_like(keys)
     for r, s in enumerate(sessions):
         keys[r, :, : lengths[r]], values[r, :, : lengths[r]] = s.keys[0], s.values[0]
@@ -143,8 +144,11 @@ def _append_rows(sessions: Sequence[FeatureSession]) -> None:
         torch.from_numpy(tokens).to(device), features, torch.from_numpy(positions).to(device), keys, values,
         torch.from_numpy(mask).to(device))  # fmt: skip
     for r, (s, length, count) in enumerate(zip(sessions, lengths, counts)):
-        kept = [*range(length), *range(cached, cached + count)]
-        s.keys, s.values = (keys, values) if rows == 1 and count == n else (keys[r : r + 1, :, kept], values[r : r + 1, :, kept])
+        if rows == 1:  # nothing padded
+            s.keys, s.values = keys, values
+        else:
+            kept = [*range(length), *range(cached, cached + count)]  # its own cache, then its own new positions
+            s.keys, s.values = keys[r : r + 1, :, kept], values[r : r + 1, :, kept]
         s.state, s.logits, s.vocab, s.pending = states[r, count - 1], logits[r, count - 1], vocab, None
 
 

@@ -55,17 +55,26 @@ class FeatureTrainConfig:
 
 @dataclass(frozen=True)
 class _Sequences:
-    """The corpus as padded sequences: features [N, T, 3H], tokens [N, T + 1] (x[0..T]), the teacher's
-    sparse law over x[s+2] at each s (probs, rows [N, T, TOP], on the draft vocabulary), its greedy
-    token [N, T], and which positions s have a target ([N, T] bool; `generated`: also s >= start)."""
+    """The corpus as padded sequences: each one's features [L_i, 3H] (bf16, unpadded: the corpus's largest
+    part; `padded_features`), tokens [N, T + 1] (x[0..T]), the teacher's sparse law over x[s+2] at each s
+    (probs, rows [N, T, TOP], on the draft vocabulary), its greedy token [N, T], and which positions s
+    have a target ([N, T] bool; `generated`: also s >= start)."""
 
-    features: torch.Tensor
+    features: list[torch.Tensor]
     tokens: torch.Tensor
     probs: torch.Tensor
     rows: torch.Tensor
     greedy: torch.Tensor
     valid: torch.Tensor
     generated: torch.Tensor
+
+    def padded_features(self, batch: torch.Tensor, width: int) -> torch.Tensor:
+        """The features of sequences `batch` as float32 [B, width, 3H], zero past each one's length."""
+        out = torch.zeros(len(batch), width, self.features[0].shape[-1])
+        for row, i in enumerate(batch.tolist()):
+            length = min(width, len(self.features[i]))
+            out[row, :length] = self.features[i][:length]
+        return out
 
 
 @torch.no_grad()
@@ -87,15 +96,14 @@ def with_features(model: nn.Module, corpus: list[Continuation], layers: tuple[in
 def _sequences(corpus: list[Continuation], data: Teacher, vocab: _DraftVocabulary) -> _Sequences:
     width = max(len(seq.tokens) for seq in corpus) - 2  # positions s with x[s+2]
     n, top = len(corpus), data.probs.shape[1]
-    hidden = corpus[0].layer_states.shape[-1]
-    features = torch.zeros(n, width, 3 * hidden, dtype=torch.bfloat16)  # kept in bf16: the corpus's largest part
+    features = []
     tokens = torch.zeros(n, width + 1, dtype=torch.long)
     probs, rows = torch.zeros(n, width, top), torch.zeros(n, width, top, dtype=torch.long)
     greedy = torch.full((n, width), -1, dtype=torch.long)
     valid, generated = torch.zeros(n, width, dtype=torch.bool), torch.zeros(n, width, dtype=torch.bool)
     for i, (seq, offset) in enumerate(zip(corpus, data.offsets)):
         length = len(seq.tokens) - 2
-        features[i, :length] = seq.layer_states[:length].flatten(1)
+        features.append(seq.layer_states[:length].flatten(1).to(torch.bfloat16))
         tokens[i, : length + 1] = seq.tokens[: length + 1]
         law = slice(offset + 1, offset + 1 + length)  # the teacher at s + 1: the law over x[s+2]
         probs[i, :length], rows[i, :length] = vocab.law(data.probs[law], data.ids[law])
@@ -140,7 +148,7 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
             width = int(lengths[batch].max())
             with torch.no_grad():
                 embeds = embed(data.tokens[batch, 1 : width + 1])  # [B, T, H]: e(x[s+1])
-            outputs = draft.forward_chains(data.features[batch, :width].float(), embeds, config.steps)
+            outputs = draft.forward_chains(data.padded_features(batch, width), embeds, config.steps)
             loss, top1 = _chain_loss(draft, outputs, data, batch, width)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -196,7 +204,7 @@ def measure_chain_accuracy(model: nn.Module, draft: FeatureDraftLayer, corpus: l
     embed = model.model.embed_tokens
     for batch in torch.arange(len(corpus)).split(8):
         width = int(data.valid[batch].sum(1).max())
-        outputs = draft.forward_chains(data.features[batch, :width].float(), embed(data.tokens[batch, 1 : width + 1]), steps)
+        outputs = draft.forward_chains(data.padded_features(batch, width), embed(data.tokens[batch, 1 : width + 1]), steps)
         for j, states in enumerate(outputs):
             start_generated = F.pad(data.generated[batch, :width], (j, 0))[:, :width]  # the chain starts at s - j
             where = data.generated[batch, :width] & start_generated
