@@ -45,8 +45,15 @@ TORCH_CONFIGS = {
     "self_draft_adapter": ("self-draft", (specpass.rewrites.EarlyExit(4, adapter="default"),)),
     "self_draft_adapter_adaptive": ("self-draft-adaptive", (specpass.rewrites.EarlyExit(4, adapter="default"),)),
     "combined_self_draft_adapter": ("self-draft-combined", (specpass.rewrites.EarlyExit(4, adapter="default"),)),
+    "feature": ("feature", (specpass.rewrites.FeatureDraft(),)),
+    "feature_combined": ("feature-combined", (specpass.rewrites.FeatureDraft(),)),
 }
-ORT_CONFIGS = {"onnxrt_combined": "combined", "onnxrt_hydra_combined": "heads-combined"}
+# on ONNX Runtime: (drafter, the draft pass after TreeAttention(64)); one export per draft pass
+ORT_CONFIGS = {
+    "onnxrt_combined": ("combined", specpass.rewrites.DraftHeads("hydra")),
+    "onnxrt_hydra_combined": ("heads-combined", specpass.rewrites.DraftHeads("hydra")),
+    "onnxrt_feature_combined": ("feature-combined", specpass.rewrites.FeatureDraft()),
+}
 SAMPLING = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3))
 
 
@@ -70,13 +77,16 @@ def _programs(model, device, tokenizer, export_dir, names):
     from specpass.backends.onnx.export import export
 
     cpu_model, _ = specpass.load_default_model()  # the export's check compares ORT CPU with a CPU copy
-    pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(64), specpass.rewrites.DraftHeads("hydra"))
-    with torch.no_grad():
-        export(cpu_model, pipeline, export_dir, tokenizer=tokenizer)
-    for name, drafter in ORT_CONFIGS.items():
+    exported = {}  # draft pass -> its export's directory
+    for name, (drafter, draft) in ORT_CONFIGS.items():
         if name not in names:
             continue
-        programs[name] = specpass.load_onnx(export_dir, drafter=drafter_by_name(drafter), device=device,
+        if draft not in exported:
+            exported[draft] = os.path.join(export_dir, draft.name)
+            with torch.no_grad():
+                export(cpu_model, specpass.Pipeline(specpass.rewrites.TreeAttention(64), draft), exported[draft],
+                       tokenizer=tokenizer)  # fmt: skip
+        programs[name] = specpass.load_onnx(exported[draft], drafter=drafter_by_name(drafter), device=device,
                                             cuda_graphs=device.type == "cuda")  # fmt: skip
     return programs
 

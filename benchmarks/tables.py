@@ -39,6 +39,10 @@ DECODE_LABELS = {
     "specpass_hydra_64": "specpass, Hydra heads, 64 nodes",
     "specpass_hydra_combined": "specpass, Hydra + combined tree",
     "specpass_hydra_combined_64": "specpass, Hydra + combined, 64 nodes",
+    "specpass_feature": "specpass, feature draft (EAGLE-3 style)",
+    "specpass_feature_64": "specpass, feature draft, 64 nodes",
+    "specpass_feature_combined": "specpass, feature draft + combined tree",
+    "specpass_feature_combined_64": "specpass, feature draft + combined, 64 nodes",
     "specpass_onnxrt_greedy": "specpass on ONNX Runtime, greedy",
     "specpass_onnxrt_combined": "specpass on ONNX Runtime, combined tree",
 }

@@ -71,3 +71,11 @@ def test_requests_are_checked_before_the_program_is_built(monkeypatch):
         specpass.generate(torch.nn.Linear(1, 1), ids[:, :0], 4)
     with pytest.raises(specpass.InvalidParameterError, match="only takes effect when sampling"):
         specpass.generate(torch.nn.Linear(1, 1), ids, 4, top_k=5)
+
+
+def test_the_benchmark_refuses_rows_it_does_not_have(capsys):
+    """`specpass bench --rows` names specpass rows; an unknown one is refused, with the choices, before
+    the model loads."""
+    assert main(["bench", "--rows", "specpass_combined", "specpass_eagle"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark rows: specpass_eagle" in err and "specpass_feature_combined" in err

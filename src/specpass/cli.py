@@ -63,7 +63,7 @@ def _pytorch_runs(args: argparse.Namespace):
     from specpass.passes import Pipeline
     from specpass.backends.options import default_pipeline
     from specpass.ir import arch_spec
-    from specpass.rewrites import DraftHeads, TensorParallel, TreeAttention
+    from specpass.rewrites import DraftHeads, FeatureDraft, TensorParallel, TreeAttention
 
     pipeline = _pipeline(args.pipeline)  # a bad pipeline is refused before the model loads
     if pipeline is not None and pipeline.has(TensorParallel):
@@ -72,7 +72,9 @@ def _pytorch_runs(args: argparse.Namespace):
     if tokenizer is None:
         raise InvalidParameterError(f"{args.model} holds no tokenizer files; generate needs them to encode --prompt")
     pipeline = pipeline if pipeline is not None else default_pipeline(arch_spec(model))
-    if args.heads is not None:
+    if args.heads == "eagle":
+        pipeline = Pipeline(*pipeline, FeatureDraft(draft=args.heads_dir or "default"))
+    elif args.heads is not None:
         pipeline = Pipeline(*pipeline, DraftHeads(kind=args.heads, heads=args.heads_dir or "default"))
     options = {"pipeline": pipeline, "drafter": drafter_by_name(args.drafter)}
     compiled = torch.compile(model, backend="specpass", options=options)
@@ -294,6 +296,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         out_dir=args.out,
         compile_baseline=not args.no_compile_baseline,
+        rows=args.rows,
+        tag=args.tag,
     )
     return 0
 
@@ -347,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention(64), "
                      "shorter below a sliding window of 64 or less)")
     gen.add_argument("--drafter", choices=DRAFTER_NAMES, default="combined")
-    gen.add_argument("--heads", choices=("medusa", "hydra"), help="add draft heads to the pipeline (pytorch)")
-    gen.add_argument("--heads-dir", help="trained heads (default: the ones shipped for the default model)")
+    gen.add_argument("--heads", choices=("medusa", "hydra", "eagle"),
+                     help="add draft heads (drafter heads*) or the feature draft (eagle; drafter feature*) to the pipeline")
+    gen.add_argument("--heads-dir", help="a trained draft (default: the one shipped for the default model)")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as raw text (no chat template)")
     gen.add_argument("--do-sample", action="store_true", help="sample (seeded; lossless against one-node trees)")
     gen.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
@@ -400,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--no-compile-baseline", action="store_true", help="skip HF static cache + torch.compile (compiles ~2 min)"
     )
+    bench.add_argument("--rows", nargs="+", help="the specpass rows to run (default: all; the HF rows always run)")
+    bench.add_argument("--tag", default="", help="a prefix of the report's file name")
     bench.set_defaults(run=cmd_bench)
     kv = sub.add_parser("eval-kv", help="quality and memory of each KV-eviction policy and budget (long inputs)")
     kv.add_argument("--lengths", type=_positive_int, nargs="*",

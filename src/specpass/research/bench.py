@@ -24,7 +24,8 @@ import torch
 import specpass.models
 
 BASELINES = ("hf_greedy", "hf_static_compile", "hf_prompt_lookup", "hf_early_exit")
-# specpass rows: (drafter, draft heads in the pipeline, TreeAttention max_nodes, budget). specpass_greedy
+# specpass rows: (drafter, the shipped draft in the pipeline: heads "medusa" / "hydra" (DraftHeads) or "eagle"
+# (FeatureDraft), TreeAttention max_nodes, budget). specpass_greedy
 # verifies one-node trees: plain greedy decoding through the same lowering, which separates what the
 # lowering buys from what speculation buys. budget "cost": tree size per step from the measured cost curve;
 # 64: the full tree every step (a GPU's budget, where 64 tokens cost about one): the tree's own tau.
@@ -40,6 +41,10 @@ SPECPASS_ROWS = {
     "specpass_hydra_64": ("heads", "hydra", 64, 64),
     "specpass_hydra_combined": ("heads-combined", "hydra", 64, "cost"),
     "specpass_hydra_combined_64": ("heads-combined", "hydra", 64, 64),
+    "specpass_feature": ("feature", "eagle", 64, "cost"),
+    "specpass_feature_64": ("feature", "eagle", 64, 64),
+    "specpass_feature_combined": ("feature-combined", "eagle", 64, "cost"),
+    "specpass_feature_combined_64": ("feature-combined", "eagle", 64, 64),
 }
 NOTES = (
     "tau = new tokens / target forwards, prefill included, for every method. specpass rows use the default "
@@ -48,8 +53,8 @@ NOTES = (
     "CPU EP, or CUDA EP with IOBinding and CUDA graphs) and choose each step's tree size from the measured cost "
     "curve (up to 64 nodes) unless the row's name ends in _64 (the full 64-node tree every step). Token "
     "Recycling's table carries over from prompt to prompt within a set (the paper's hot start); each set "
-    "starts cold. Draft-head rows use the heads shipped in the package (trained on prompts disjoint from "
-    "these). hf_early_exit's tau is not reported: its draft forwards hit the same forward hook."
+    "starts cold. Draft-head and feature-draft rows use the drafts shipped in the package (trained on prompts "
+    "disjoint from these). hf_early_exit's tau is not reported: its draft forwards hit the same forward hook."
 )
 ORT_ROWS = {"specpass_onnxrt_greedy": ("prompt-lookup", 1), "specpass_onnxrt_combined": ("combined", 64)}
 STATIC_CACHE_LEN = 1024  # one static cache shape for every prompt, so the compiled HF forward compiles once
@@ -207,12 +212,21 @@ def _ort_program(device, drafter, max_nodes, export_dir):
                               cuda_graphs=device.type == "cuda")  # fmt: skip
 
 
-def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/results", compile_baseline=True):
+def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/results", compile_baseline=True,
+                  rows=None, tag=""):  # fmt: skip
+    """rows: the specpass rows to run (default: every one; the HF baselines always run); tag: a prefix
+    of the report's file name."""
     import tempfile
 
     import specpass
     from specpass.research import prompts as P
     from specpass.drafters.registry import drafter_by_name
+
+    known = (*SPECPASS_ROWS, *ORT_ROWS)
+    if rows is not None and not set(rows) <= set(known):
+        unknown = ", ".join(sorted(set(rows) - set(known)))
+        raise specpass.InvalidParameterError(f"unknown benchmark rows: {unknown}; choose from {', '.join(known)}")
+    chosen = set(known if rows is None else rows)
 
     export_dir = os.path.join(tempfile.mkdtemp(prefix="specpass-bench-"), "onnx")
 
@@ -233,15 +247,21 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
             compiled_forward = _compiled_forward(model, device)
         runners[name] = _hf_runner(model, counter, device, name, compiled_forward)
     programs = {}  # specpass rows: their programs keep Token Recycling's table from prompt to prompt
-    for name, (drafter, heads, max_nodes, budget) in SPECPASS_ROWS.items():
+    for name, (drafter, draft, max_nodes, budget) in SPECPASS_ROWS.items():
+        if name not in chosen:
+            continue
         passes = [specpass.rewrites.TreeAttention(max_nodes=max_nodes)]
-        if heads is not None:
-            passes.append(specpass.rewrites.DraftHeads(kind=heads))
+        if draft == "eagle":
+            passes.append(specpass.rewrites.FeatureDraft())
+        elif draft is not None:
+            passes.append(specpass.rewrites.DraftHeads(kind=draft))
         pipeline = specpass.Pipeline(*passes)
         options = {"drafter": drafter_by_name(drafter), "pipeline": pipeline, "budget": budget}
         program = specpass.compile_program(torch.compile(model, backend="specpass", options=options))
         runners[name], programs[name] = _specpass_runner(program)
     for name, (drafter, max_nodes) in ORT_ROWS.items():
+        if name not in chosen:
+            continue
         try:
             program = _ort_program(device, drafter_by_name(drafter), max_nodes, export_dir)
         except Exception as exc:  # no onnxruntime, or no CUDA EP for a GPU run: reported, not fatal
@@ -306,7 +326,7 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
         "cost_curves": curves,
         "auto_lowering_per_tree_size": kernels,
     }
-    path = write_report(report, out_dir)
+    path = write_report(report, out_dir, f"{tag}-" if tag else "")
     _plot(report, path.removesuffix(".json") + ".png")
     _print(report)
     print(f"wrote {path}")
