@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--no-compile-baseline", action="store_true", help="skip HF static cache + torch.compile (compiles ~2 min)"
     )
-    bench.add_argument("--rows", nargs="+", help="the specpass rows to run (default: all; the HF rows always run)")
+    bench.add_argument("--rows", nargs="+", help="the rows to run (default: all; hf_greedy and hf_prompt_lookup always run)")
     bench.add_argument("--tag", default="", help="a prefix of the report's file name")
     bench.set_defaults(run=cmd_bench)
     kv = sub.add_parser("eval-kv", help="quality and memory of each KV-eviction policy and budget (long inputs)")

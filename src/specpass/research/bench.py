@@ -214,19 +214,19 @@ def _ort_program(device, drafter, max_nodes, export_dir):
 
 def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/results", compile_baseline=True,
                   rows=None, tag=""):  # fmt: skip
-    """rows: the specpass rows to run (default: every one; the HF baselines always run); tag: a prefix
-    of the report's file name."""
+    """rows: the rows to run (default: every one; HF greedy and HF prompt lookup always run, the ratios'
+    baselines); tag: a prefix of the report's file name."""
     import tempfile
 
     import specpass
     from specpass.research import prompts as P
     from specpass.drafters.registry import drafter_by_name
 
-    known = (*SPECPASS_ROWS, *ORT_ROWS)
+    known = (*BASELINES, *SPECPASS_ROWS, *ORT_ROWS)
     if rows is not None and not set(rows) <= set(known):
         unknown = ", ".join(sorted(set(rows) - set(known)))
         raise specpass.InvalidParameterError(f"unknown benchmark rows: {unknown}; choose from {', '.join(known)}")
-    chosen = set(known if rows is None else rows)
+    chosen = set(known if rows is None else (*rows, "hf_greedy", "hf_prompt_lookup"))
 
     export_dir = os.path.join(tempfile.mkdtemp(prefix="specpass-bench-"), "onnx")
 
@@ -239,6 +239,8 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
     }
     runners, skipped = {}, {}
     for name in BASELINES:
+        if name not in chosen:
+            continue
         compiled_forward = None
         if name == "hf_static_compile":
             if not compile_baseline:
