@@ -125,8 +125,8 @@ def trained(tmp_path_factory):
 def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(trained):
     """On a tiny random model nothing generalises, so the check is on the training sequences: the trained
     draft's chain agrees with the model's greedy token more than the untrained one at every depth; the
-    saved draft loads with the same accuracy table, and the features caught while generating equal a
-    forward's (what a corpus cached as tokens trains on)."""
+    saved draft loads with the same accuracy table, and the features and final states caught while
+    generating equal batched forwards' (what a corpus cached as tokens trains on)."""
     from specpass.heads.feature_training import make_feature_draft, measure_chain_accuracy, with_features
     from specpass.heads.train import Continuation
 
@@ -134,6 +134,7 @@ def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(trained):
     recomputed = with_features(model, [Continuation(c.tokens, c.start) for c in corpus[:3]], result.feature_layers)
     for caught, forward in zip(corpus, recomputed):
         torch.testing.assert_close(caught.layer_states, forward.layer_states, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caught.hidden, forward.hidden, rtol=1e-4, atol=1e-4)  # the teacher's states too
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
     untrained = make_feature_draft(model, result, [c.tokens for c in corpus]).eval()
     trained_on = measure_chain_accuracy(model, draft, corpus, 3, 1)

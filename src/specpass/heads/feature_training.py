@@ -2,7 +2,8 @@
 
 1. Corpus: as for the heads (heads.train.generate_corpus: the training prompts and the model's greedy
    continuations), with the residual stream at the draft's three feature layers caught from the
-   generation's own forwards (`Continuation.layer_states`) beside the final normed state.
+   generation's own forwards (`Continuation.layer_states`) beside the final normed state; a corpus
+   cached as tokens gets both from one batched forward pass (`with_features`).
 2. Teacher: the model's own sparse law at every position (heads.train.teacher), restricted to the draft
    vocabulary and renormalised.
 3. Training: whole sequences at a time. Every step j = 0..steps-1 of the chain runs at every position
@@ -30,7 +31,7 @@ from specpass.errors import InvalidParameterError, require_positive_ints
 from specpass.heads.feature_draft import FeatureDraftLayer, FeatureDraftConfig, config_for
 from specpass.heads.io import model_fingerprint
 from specpass.heads.modules import draft_vocabulary
-from specpass.heads.train import Continuation, Teacher, _DraftVocabulary, cosine_adamw, sparse_kl, teacher
+from specpass.heads.train import Continuation, Teacher, _DraftVocabulary, cosine_adamw, forward_states, sparse_kl, teacher
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,14 @@ class _Sequences:
 @torch.no_grad()
 def with_features(model: nn.Module, corpus: list[Continuation], layers: tuple[int, int, int]) -> list[Continuation]:
     """The corpus with every sequence's features: those generate_corpus caught (`layers=` the draft's), else
-    from one forward per sequence (a corpus cached as tokens)."""
-    device = next(model.parameters()).device
+    (a corpus cached as tokens) from batched forwards, which give the teacher's final normed states too."""
+    missing = [seq.tokens[:-1] for seq in corpus if seq.layer_states is None]
+    computed = iter(forward_states(model, missing, tuple(layers)))
     out = []
     for seq in corpus:
         if seq.layer_states is None:
-            states = model.model(seq.tokens[None, :-1].to(device), output_hidden_states=True).hidden_states
-            seq = replace(seq, layer_states=torch.stack([states[i][0].float().cpu() for i in layers], 1))
+            hidden, states = next(computed)  # [L - 1, H], [L - 1, 3, H]
+            seq = replace(seq, hidden=seq.hidden if seq.hidden is not None else hidden.cpu(), layer_states=states.cpu())
         elif seq.layer_states.shape[1] != len(layers):
             raise InvalidParameterError(f"the corpus caught {seq.layer_states.shape[1]} layers, not the draft's {layers}")
         out.append(seq)

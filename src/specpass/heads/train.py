@@ -205,7 +205,15 @@ def teacher(model: nn.Module, corpus: list[Continuation], chunk: int = 2048) -> 
 
 
 def _forward_states(model: nn.Module, sequences: list[torch.Tensor], tokens_per_batch: int = 16384):
-    """The final normed states [L, H] of each of `sequences` [L], in order, from forwards over
+    """The final normed states [L, H] of each of `sequences` [L], in order (forward_states)."""
+    return [hidden for hidden, _ in forward_states(model, sequences, (), tokens_per_batch)]
+
+
+@torch.no_grad()
+def forward_states(model: nn.Module, sequences: list[torch.Tensor], layers: tuple[int, ...] = (),
+                   tokens_per_batch: int = 16384) -> list[tuple[torch.Tensor, torch.Tensor | None]]:  # fmt: skip
+    """For each of `sequences` [L], in order: its final normed states [L, H] and the residual stream
+    entering each decoder layer of `layers` [L, n, H] (None without `layers`), from forwards over
     right-padded batches of similar length: causal attention never lets a position see the padding
     after it, so padding changes no state (batching may round differently, like generate_corpus's)."""
     device = next(model.parameters()).device
@@ -218,9 +226,12 @@ def _forward_states(model: nn.Module, sequences: list[torch.Tensor], tokens_per_
             last += 1
         chunk = order[first:last]
         ids = torch.nn.utils.rnn.pad_sequence([sequences[i] for i in chunk], batch_first=True)  # [B, W]
-        states = model.model(ids.to(device)).last_hidden_state.float()  # [B, W, H]
+        output = model.model(ids.to(device), output_hidden_states=bool(layers))
+        states = output.last_hidden_state.float()  # [B, W, H]
+        inputs = torch.stack([output.hidden_states[i] for i in layers], 2).float() if layers else None  # [B, W, n, H]
         for row, i in enumerate(chunk):
-            out[i] = states[row, : len(sequences[i])]
+            length = len(sequences[i])
+            out[i] = (states[row, :length].clone(), inputs[row, :length].clone() if layers else None)
         first = last
     return out
 
