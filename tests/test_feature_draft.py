@@ -473,3 +473,17 @@ def test_rows_drafted_at_once_equal_each_row_alone(trained):
             for session in (row, single):
                 session.observe(tree, verified, [0, 1], tokens[: p + 1])
         lengths = tuple(p + 2 for p in lengths)
+
+
+def test_length_batches_take_each_sequence_once_and_pad_less_than_random_ones():
+    from specpass.heads.feature_training import length_batches
+
+    lengths = torch.randint(10, 500, (203,), generator=torch.Generator().manual_seed(0))
+    batches = length_batches(lengths, 8, torch.Generator().manual_seed(1))
+    assert len(batches) == 26 and sorted(torch.cat(batches).tolist()) == list(range(203))
+
+    def padding(parts):
+        return sum(int(lengths[p].max()) * len(p) - int(lengths[p].sum()) for p in parts)
+
+    random = torch.randperm(203, generator=torch.Generator().manual_seed(1)).split(8)
+    assert padding(batches) < 0.25 * padding(random)

@@ -6,8 +6,8 @@
    cached as tokens gets both from one batched forward pass (`with_features`).
 2. Teacher: the model's own sparse law at every position (heads.train.teacher), restricted to the draft
    vocabulary and renormalised.
-3. Training: whole sequences at a time. Every step j = 0..steps-1 of the chain runs at every position
-   at once (FeatureDraftLayer.forward_chains): step 0 reads the target's features, step j > 0 the draft's
+3. Training: whole sequences at a time, batched by similar length (`length_batches`). Every step
+   j = 0..steps-1 of the chain runs at every position at once (FeatureDraftLayer.forward_chains): step 0 reads the target's features, step j > 0 the draft's
    own step j-1 output one position back, so the draft learns from the states it will see when it
    drafts several tokens ahead, not only from the target's (the training-time test). At every
    position s and step j with s >= j, the loss is the KL divergence from the model's law over x[s+2]
@@ -146,7 +146,7 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     losses: list[float] = []
     bar = tqdm(total=total, desc=f"training a feature draft ({config.steps} chain steps)", disable=not progress)
     for _ in range(config.epochs):
-        for batch in torch.randperm(len(corpus), generator=generator).split(config.sequences):
+        for batch in length_batches(lengths, config.sequences, generator):
             width = int(lengths[batch].max())
             with torch.no_grad():
                 embeds = embed(data.tokens[batch, 1 : width + 1])  # [B, T, H]: e(x[s+1])
@@ -166,6 +166,16 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     if out_dir is not None:
         save_feature_draft(draft, result, out_dir)
     return draft, result, losses
+
+
+def length_batches(lengths: torch.Tensor, size: int, generator: torch.Generator, window: int = 16) -> list[torch.Tensor]:
+    """One epoch's batches of `size` sequences (ceil(N / size) of them, each sequence once): a random
+    order, sorted by length within windows of `window` batches, so a batch pads to a length close to
+    its own; the batches in random order."""
+    batches = []
+    for part in torch.randperm(len(lengths), generator=generator).split(window * size):
+        batches += list(part[lengths[part].argsort()].split(size))
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
 def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: list[torch.Tensor]) -> FeatureDraftLayer:
