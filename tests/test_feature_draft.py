@@ -147,6 +147,21 @@ def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(trained):
     assert all(abs(a - b) < 0.05 for x, y in zip(again, result.accuracy) for a, b in zip(x, y))  # float16 weights
 
 
+def test_training_resumes_from_a_saved_draft(trained):
+    """A saved draft trained further starts where it ended (its first losses near the first run's last,
+    far below that run's first), keeps its vocabulary and feature layers, and gains a new table."""
+    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
+
+    model, corpus, held_out, directory, _, result, losses = trained
+    start = load_feature_draft(directory, model.lm_head)
+    config = FeatureTrainConfig(epochs=2, sequences=4, steps=3, lr=1e-3, draft_vocab=96, ranks=4)
+    draft, resumed, more = train_feature_draft(model, corpus, held_out, config, progress=False, start=start)
+    assert more[0] < 0.5 * losses[0] and more[0] < 2 * max(losses[-5:]), (more[:3], losses[:3], losses[-5:])
+    assert torch.equal(draft.draft_vocab, start.draft_vocab)
+    assert resumed.feature_layers == result.feature_layers and resumed.model == result.model
+    assert len(resumed.accuracy) == 3
+
+
 def test_feature_drafting_equals_hf_greedy_alone_combined_and_in_a_batch(trained):
     """Greedy with the trained draft, alone and in the combined tree, equals HF greedy token for token
     on prompts it was trained on (where it drafts well: tau > 1.5) and on unseen ones; a batch of rows
@@ -185,7 +200,8 @@ def test_cli_refuses_options_of_other_kinds(capsys):
     from specpass.cli import main
 
     for args, message in ((("--kind", "eagle", "--heads", "3"), "--heads is for draft heads"),
-                          (("--kind", "hydra", "--chain-steps", "3"), "--chain-steps is for --kind eagle"),
+                          (("--kind", "hydra", "--chain-steps", "3"), "--chain-steps and --resume are for --kind eagle"),
+                          (("--kind", "medusa", "--resume", "unused"), "--chain-steps and --resume are for --kind eagle"),
                           (("--kind", "eagle", "--chain-steps", "0"), "steps must be a positive int")):  # fmt: skip
         assert main(["train-heads", "--out", "unused", *args]) == 2
         assert message in capsys.readouterr().err

@@ -230,6 +230,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from specpass.heads.exit_training import ExitTrainConfig, train_exit_adapter
     from specpass.heads.feature_draft import default_feature_layers
     from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
+    from specpass.heads.io import load_feature_draft
     from specpass.heads.train import Continuation, TrainConfig, generate_corpus, train_heads
     from specpass.models import load_model
     from specpass.research.training_prompts import held_out_prompts, training_prompts
@@ -241,8 +242,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
     if kind not in ("medusa", "hydra") and args.heads is not None:
         raise InvalidParameterError(f"--heads is for draft heads (--kind medusa or hydra), not --kind {kind}")
-    if kind != "eagle" and args.chain_steps is not None:
-        raise InvalidParameterError("--chain-steps is for --kind eagle")
+    if kind != "eagle" and (args.chain_steps is not None or args.resume is not None):
+        raise InvalidParameterError("--chain-steps and --resume are for --kind eagle")
     if kind == "exit-adapter":
         given |= {"layer": args.layer, "blocks": args.blocks, "inner_size": args.inner_size}
         config_type = ExitTrainConfig
@@ -254,8 +255,9 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         config_type = TrainConfig
     config = config_type(**{k: v for k, v in given.items() if v is not None})
     model, tokenizer, _ = load_model(args.model, device=args.device)
+    start = load_feature_draft(args.resume, model.lm_head) if args.resume else None
     layers = {"exit-adapter": lambda: (config.layer,), "eagle": lambda: default_feature_layers(len(model.model.layers))}
-    layers = layers.get(kind, tuple)()
+    layers = start.config.feature_layers if start is not None else layers.get(kind, tuple)()
     if args.corpus and os.path.exists(args.corpus):
         corpus = [Continuation(tokens, start) for tokens, start in torch.load(args.corpus)]
         print(f"corpus: {len(corpus)} sequences from {args.corpus}")
@@ -274,7 +276,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
               f"(the plain exit after layer {result.layer}: {report['plain_exit_agreement']:.3f})")
         return 0
     if kind == "eagle":
-        _, draft, _ = train_feature_draft(model, corpus, held_out, config, layers, out_dir=args.out)
+        _, draft, _ = train_feature_draft(model, corpus, held_out, config, layers, out_dir=args.out, start=start)
         print(f"wrote {args.out}: a feature draft over layers {draft.feature_layers} for model {draft.model}, "
               f"a draft vocabulary of {draft.draft_vocab} tokens")
         for d, row in enumerate(draft.accuracy, start=1):
@@ -395,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="held-out prompts (other modules than the training ones) for the accuracy table (default 32)")
     heads.add_argument("--draft-vocab", type=int,
                        help="tokens the heads may propose: the most frequent of the corpus (default 8192; 0: all)")
+    heads.add_argument("--resume", metavar="DIR",
+                       help="eagle: train this model's feature draft in DIR further (a new schedule of --epochs)")
     heads.add_argument("--corpus", help="file caching the generated training corpus (read if present, else written)")
     heads.add_argument("--device", default="cpu", help="where the model generates and the heads train: cpu or cuda")
     heads.set_defaults(run=cmd_train_heads)

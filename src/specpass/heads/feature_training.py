@@ -117,11 +117,12 @@ def _sequences(corpus: list[Continuation], data: Teacher, vocab: _DraftVocabular
 
 def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: list[Continuation],
                         config: FeatureTrainConfig, feature_layers: tuple[int, int, int] | None = None,
-                        out_dir: str | None = None, progress: bool = True,
+                        out_dir: str | None = None, progress: bool = True, start: FeatureDraftLayer | None = None,
                         ) -> tuple[FeatureDraftLayer, FeatureDraftConfig, list[float]]:  # fmt: skip
     """Train a feature draft on `corpus` and measure its accuracy table on `held_out` (module docstring);
-    both were generated with `layer_states` at the draft's feature layers. Returns (draft, its config,
-    the loss per step) and saves them to `out_dir` when given."""
+    both were generated with `layer_states` at the draft's feature layers. `start`: a trained draft of
+    this model to train further (its vocabulary and feature layers kept; a new cosine schedule), else a
+    new one. Returns (draft, its config, the loss per step) and saves them to `out_dir` when given."""
     from tqdm.auto import tqdm
 
     from specpass.heads.io import save_feature_draft
@@ -129,10 +130,13 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     if not corpus or not held_out:
         raise InvalidParameterError(f"need training and held-out sequences, got {len(corpus)} and {len(held_out)}")
     torch.manual_seed(config.seed)
-    identity = config_for(model, config.draft_vocab, model_fingerprint(model.lm_head))
-    if feature_layers is not None:
-        identity = replace(identity, feature_layers=tuple(feature_layers))
-    draft = make_feature_draft(model, identity, [seq.tokens for seq in corpus])
+    if start is not None:
+        draft, identity = start.float(), replace(start.config, accuracy=())
+    else:
+        identity = config_for(model, config.draft_vocab, model_fingerprint(model.lm_head))
+        if feature_layers is not None:
+            identity = replace(identity, feature_layers=tuple(feature_layers))
+        draft = make_feature_draft(model, identity, [seq.tokens for seq in corpus])
     vocab = _DraftVocabulary(model.lm_head.weight.detach(), draft.draft_vocab)
     embed = model.model.embed_tokens
     corpus = with_features(model, corpus, identity.feature_layers)
