@@ -77,6 +77,14 @@ def with_heads(kind: str, drafter) -> dict:
     return {"pipeline": pipeline, "drafter": drafter, "budget": FIXED_BUDGET}
 
 
+def with_feature(drafter) -> dict:
+    """Options for a drafter that reads the feature draft shipped for the default model."""
+    import specpass
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    return {"pipeline": specpass.Pipeline(TreeAttention(64), FeatureDraft()), "drafter": drafter, "budget": FIXED_BUDGET}
+
+
 def token_inside_an_accepted_draft(continuation: list[int], steps: tuple[int, ...]) -> tuple[int, int]:
     """(token, index in continuation) of a token that first appears in the middle of a multi-token
     step: declared EOS, it ends a generation inside an accepted draft."""

@@ -8,12 +8,13 @@ import torch
 import specpass
 from conftest import (
     FIXED_BUDGET, NEW_TOKENS, needs_cxx, padded, peaked_tiny_model, tiny_model, token_inside_an_accepted_draft,
+    with_feature,
     with_heads,
 )  # fmt: skip
 from specpass.backends.runtime.decode import generate as decode
 from specpass.backends.options import CompileOptions
 from specpass.backends.runtime.program import SpeculativeProgram
-from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
+from specpass.drafters import Combined, Feature, Heads, PromptLookup, TokenRecycling
 from specpass.errors import InvalidParameterError
 from specpass.ir import RowsLayout, SlotLayout
 from specpass.rewrites import EarlyExit, TreeAttention
@@ -30,6 +31,7 @@ DRAFTERS = {  # Token Recycling runs inside the combined drafter, Medusa's heads
     "prompt_lookup": _options(PromptLookup()),
     "combined": _options(),
     "hydra": with_heads("hydra", Heads()),
+    "feature": with_feature(Feature()),
 }
 
 

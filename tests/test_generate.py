@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import specpass
-from conftest import FIXED_BUDGET, NEW_TOKENS, token_inside_an_accepted_draft, with_heads
+from conftest import FIXED_BUDGET, NEW_TOKENS, token_inside_an_accepted_draft, with_feature, with_heads
 from specpass.backends.runtime.cost import CostCurve
 from specpass.backends.runtime import decode
-from specpass.drafters import Combined, Heads, PromptLookup, RowsDrafting, TokenRecycling, expected_tokens
+from specpass.drafters import Combined, Feature, Heads, PromptLookup, RowsDrafting, TokenRecycling, expected_tokens
 from specpass.rewrites import TreeAttention
 
 
@@ -76,9 +76,11 @@ OPTIONS = {
     "medusa": with_heads("medusa", Heads()),
     "hydra": with_heads("hydra", Heads()),
     "hydra_combined": with_heads("hydra", Combined(Heads(), PromptLookup(), TokenRecycling())),
+    "feature": with_feature(Feature()),
+    "feature_combined": with_feature(Combined(Feature(), PromptLookup(), TokenRecycling())),
 }
 METHODS = list(OPTIONS)  # one per drafting method (static Heads trees: tests/test_heads.py, on ORT: test_onnx.py)
-COMPOSITES = ("combined", "hydra_combined")  # every proposer at once: on all four cases
+COMPOSITES = ("combined", "hydra_combined", "feature_combined")  # every proposer at once: on all four cases
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))

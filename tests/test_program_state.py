@@ -3,7 +3,7 @@ output, and weights changed after compiling are noticed (the program is rebuilt,
 
 import pytest
 import torch
-from conftest import FIXED_BUDGET, at_once, needs_onednn, peaked_tiny_model
+from conftest import FIXED_BUDGET, at_once, needs_onednn, peaked_tiny_model, with_feature
 from torch import nn
 
 import specpass
@@ -21,6 +21,21 @@ def test_threads_on_one_compiled_model_each_get_their_own_exact_output(default_m
         calls = [lambda ids=ids: specpass.generate(fast, ids, max_new_tokens=n) for ids, _ in cases * copies]
         for out, (ids, reference) in zip(at_once(calls), cases * copies):
             assert torch.equal(out.sequences, reference[:, : ids.shape[1] + n])
+
+
+def test_threads_on_one_feature_draft_program_each_get_their_own_exact_output(default_model, cases):
+    """Four threads (the four cases) at once on one compiled model with the shipped feature draft and
+    the combined tree: each session's draft cache is its own, every output is HF greedy's."""
+    from specpass.drafters import Combined, Feature, PromptLookup, TokenRecycling
+
+    model, _ = default_model
+    fast = torch.compile(model, backend="specpass",
+                         options=with_feature(Combined(Feature(), PromptLookup(), TokenRecycling())))  # fmt: skip
+    calls = [lambda ids=ids: specpass.generate(fast, ids, max_new_tokens=16) for ids, _ in cases]
+    outputs = at_once(calls)
+    for out, (ids, reference) in zip(outputs, cases):
+        assert torch.equal(out.sequences, reference[:, : ids.shape[1] + 16])
+    assert sum(out.stats.tau for out in outputs) / len(outputs) > 1.15  # the draft's tokens were accepted
 
 
 def test_threads_through_the_hf_hook_each_get_their_own_exact_output(default_model, cases):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import specpass
-from conftest import FIXED_BUDGET, token_inside_an_accepted_draft, with_heads
+from conftest import FIXED_BUDGET, token_inside_an_accepted_draft, with_feature, with_heads
 from specpass.backends.runtime.sampling import KeyedNoise, Sampling, TargetChoice, node_prefixes, position_noise
-from specpass.drafters import Combined, Heads, PromptLookup, TokenRecycling
+from specpass.drafters import Combined, Feature, Heads, PromptLookup, TokenRecycling
 from specpass.rewrites import TreeAttention
 
 DRAWS = 100_000
@@ -151,6 +151,7 @@ def test_keyed_noise_is_position_noise_and_keeps_recent_positions():
 DRAFTERS = {  # every proposer: prompt lookup and Token Recycling together, and with Hydra's heads
     "combined": {"drafter": Combined(PromptLookup(), TokenRecycling()), "budget": FIXED_BUDGET},
     "hydra_combined": with_heads("hydra", Combined(Heads(), PromptLookup(), TokenRecycling())),
+    "feature_combined": with_feature(Combined(Feature(), PromptLookup(), TokenRecycling())),
 }
 SETTINGS = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=20), dict(temperature=0.3)]
 
