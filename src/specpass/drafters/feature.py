@@ -41,11 +41,12 @@ FEATURE_KIND = "feature"  # the draft-graph kind it drives (rewrites.FeatureDraf
 class Feature(Drafter):
     """top_k: candidates per expanded node; beam: paths expanded per depth; depth: the deepest level
     drafted (one draft call per level). The defaults propose more candidates than a 64-node tree
-    holds, so the builder chooses among them."""
+    holds (8 + 4 * 8 + 4 * 8), so the builder chooses among them; a deeper draft accepts a little more
+    but costs a draft call per level (the tuning: docs/experiments.md, "Feature draft")."""
 
     top_k: int = 8
-    beam: int = 8
-    depth: int = 6
+    beam: int = 4
+    depth: int = 3
 
     def __post_init__(self):
         check_params("Feature", top_k=self.top_k, beam=self.beam, depth=self.depth)
