@@ -4,8 +4,8 @@ tokens/s and tau over 128 new tokens, each configuration in turn in one process.
 
     python benchmarks/feature_tuning.py
 
-Prints one JSON line per configuration. A configuration repeated later in the process gets a higher
-tau (the prompts' text was seen before): compare neighbours.
+Prints one JSON line per configuration. A configuration repeated later in the process reuses its
+cached program (equal options), whose Token Recycling memory the first pass filled: a higher tau.
 """
 import json
 import specpass
