@@ -8,7 +8,7 @@ one-token forward after 256 committed slots, then 20 such forwards under torch.p
 self CPU time summed into groups — GEMMs (the linears, whatever their kernel), attention, everything
 else (norms, rotary, residual adds, cache writes, copies) — and the wall time no op accounts for (the
 Python and dispatch between ops). The floor: the bytes of weights a step reads (float32 parameters, or
-the GGUF's packed planes where the lowering reads them) over the machine's read bandwidth, measured as
+the GGUF file for the gguf lowering) over the machine's read bandwidth, measured as
 the best of five sums over a 1 GiB float32 tensor. Writes step-profile-<device>.json.
 """
 
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 import specpass
 from specpass.ir import SlotLayout
 from specpass.models import GGUF_FILE, default_model_dir
-from specpass.research.bench import device_label, run_identity, write_report
+from specpass.research.bench import run_identity, write_report
 
 GROUPS = {  # op-name fragments -> group (first match wins)
     "gemm": ("addmm", "aten::mm", "linear", "int4pack", "int8pack", "mkldnn", "onednn", "matmul", "bmm_out"),
@@ -96,14 +96,12 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = specpass.load_default_model()
     bandwidth = read_bandwidth_gbs()
-    report = run_identity(torch.device("cpu")) | {"threads": torch.get_num_threads(),
-                                                   "read_bandwidth_gbs": round(bandwidth, 2)}  # fmt: skip
+    report = run_identity(torch.device("cpu")) | {"read_bandwidth_gbs": round(bandwidth, 2)}
     for lowering in args.lowerings:
         row = profile_lowering(model, lowering)
         row["bandwidth_floor_ms"] = round(row["weight_mb"] / 1e3 / bandwidth * 1e3, 2)
         report[lowering] = row
         print(lowering, {k: v for k, v in row.items() if k != "top_ops"}, flush=True)
-    report["device"] = device_label(torch.device("cpu"))
     print("wrote", write_report(report, args.out, "step-profile-"))
 
 
