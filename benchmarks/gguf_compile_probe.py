@@ -14,13 +14,19 @@ from specpass.ir import SlotLayout
 from specpass.backends.lowering.inductor import inplace_cache_writes, _plain
 
 variant = sys.argv[1]
-options = {"none": {}, "freezing_cpp": {"freezing": True, "cpp_wrapper": True}}[variant]
+kind = sys.argv[2] if len(sys.argv) > 2 else "gguf"  # or onednn: the float32 step on oneDNN-packed linears
+VARIANTS = {  # (dynamic shapes, inductor options)
+    "none": (False, {}), "freezing_cpp": (False, {"freezing": True, "cpp_wrapper": True}),
+    "dynamic": (True, {}), "dynamic_freezing": (True, {"freezing": True}),
+    "dynamic_freezing_cpp": (True, {"freezing": True, "cpp_wrapper": True}), "dynamic_cpp": (True, {"cpp_wrapper": True}),
+}
+dynamic, options = VARIANTS[variant]
 torch.manual_seed(0)
 model, _ = specpass.load_default_model()
 program = specpass.compile_program(model, {"lowering": "gguf", "budget": 1})
 outer = program.step.run
 print(type(outer).__name__, outer.kinds, outer.default, flush=True)
-run = outer.steps["gguf"]  # every call on the gguf step (outer.pinned below)
+run = outer.steps[kind]  # every call on this step (outer.pinned below)
 
 def time_step(t=1, n=30):
     tokens, layout = torch.arange(1, t + 1), SlotLayout.chain(256, t)
@@ -36,17 +42,23 @@ def sequence_logits(steps=4):
         outs.append(program.measured_forward(torch.tensor([5 + i]), SlotLayout.chain(256 + i, 1))[0].clone())
     return torch.stack(outs)
 
-with torch.no_grad(), outer.pinned("gguf"):
+with torch.no_grad(), outer.pinned(kind):
     eager_ms, _ = time_step()
+    eager_tree_ms = {t: time_step(t, n=10)[0] for t in (4, 16)}
     reference = sequence_logits()
     gm = inplace_cache_writes(run.gm)
-    compiled = torch.compile(gm, fullgraph=True, dynamic=False, options=options)
+    compiled = torch.compile(gm, fullgraph=True, dynamic=dynamic, options=options)
     run.run_graph = lambda inputs: compiled(**{name: _plain(inputs[name]) for name in run.input_names})
     started = time.perf_counter()
     program.measured_forward(torch.tensor([1]), SlotLayout.chain(256, 1))
     compile_s = round(time.perf_counter() - started, 1)
     compiled_ms, _ = time_step()
     again = sequence_logits()
-print(json.dumps({"variant": variant, "eager_gguf_ms_T1": eager_ms, "compiled_ms_T1": compiled_ms, "compile_s": compile_s,
+    started = time.perf_counter()
+    program.measured_forward(torch.arange(1, 5), SlotLayout.chain(256, 4))
+    compile_tree_s = round(time.perf_counter() - started, 1)
+    tree_ms = {t: time_step(t, n=10)[0] for t in (4, 16)}
+print(json.dumps({"variant": variant, "step": kind, "eager_gguf_ms_T1": eager_ms, "compiled_ms_T1": compiled_ms, "compile_s": compile_s,
+                  "eager_gguf_ms_T4_T16": eager_tree_ms, "compiled_ms_T4_T16": tree_ms, "first_T4_call_s": compile_tree_s,
                   "max_abs_logit_diff_4_steps": float((again - reference).abs().max()),
                   "same_argmax": bool(torch.equal(again.argmax(-1), reference.argmax(-1)))}), flush=True)

@@ -8,14 +8,17 @@ summaries [0:], chat template; every row the same prompts, the same thread count
   specpass_float32          specpass's default (combined tree, cost budget, `auto` float32 lowering)
   specpass_gguf             the same drafter and budget on lowering="gguf" (backends/lowering/gguf.py)
   specpass_gguf_one_token   lowering="gguf" without speculation (budget 1)
+  specpass_gguf_compiled    the same drafter and budget on lowering="gguf-compiled" (the gguf step compiled
+                            whole by inductor; compiled while the program's cost curve is measured, before timing)
+  specpass_gguf_compiled_one_token   lowering="gguf-compiled" without speculation (budget 1)
   llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty), in a
                             process of its own (benchmarks/llama_cpp_worker.py)
   llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens), the same process
 Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
 first token; HF: not measured), tau where known, outputs identical to HF float32 greedy, and at each
 first divergence the reference's top-2 logit gap, `near_tie` when it is within NEAR_TIE_LOGITS (the
-gguf lowering's rounding: backends/lowering/gguf.py). `specpass_gguf` is also compared with
-`specpass_gguf_one_token` (`identical_to_one_token`: speculation on the gguf lowering against that
+gguf lowering's rounding: backends/lowering/gguf.py). Each speculative gguf row is also compared with
+its lowering's one-token row (`identical_to_one_token`: speculation on a gguf lowering against that
 lowering's own one-token greedy; a divergence there, too, must be a near-tie of the float32 logits).
 Also the one-token step of each lowering (milliseconds after 256 committed tokens, median) beside
 llama.cpp's decode time per token (its own eval timing, prefill excluded), the CPU's model and flags,
@@ -38,6 +41,10 @@ from specpass.research import prompts as P
 from specpass.backends.lowering.gguf import NEAR_TIE_LOGITS
 from specpass.research.bench import CODE_OFFSET, evaluation_sets, run_identity, write_report
 from specpass.models import GGUF_FILE, default_model_dir
+
+
+# each speculative gguf row -> its lowering's one-token row
+ONE_TOKEN_OF = {"specpass_gguf": "specpass_gguf_one_token", "specpass_gguf_compiled": "specpass_gguf_compiled_one_token"}
 
 
 class LlamaCppProcess:
@@ -144,6 +151,8 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
         "specpass_float32": specpass.compile_program(model),
         "specpass_gguf": specpass.compile_program(model, {"lowering": "gguf"}),
         "specpass_gguf_one_token": specpass.compile_program(model, {"lowering": "gguf", "budget": 1}),
+        "specpass_gguf_compiled": specpass.compile_program(model, {"lowering": "gguf-compiled"}),
+        "specpass_gguf_compiled_one_token": specpass.compile_program(model, {"lowering": "gguf-compiled", "budget": 1}),
     }
     runners = {
         "hf_greedy": _hf_runner(model),
@@ -162,7 +171,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
     for set_name, prompt_ids in sets.items():
         totals = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "prefill_seconds": 0.0, "identical": 0,
                          "divergences": []} for name in runners}  # fmt: skip
-        against_one_token = {"identical": 0, "divergences": []}  # specpass_gguf vs specpass_gguf_one_token
+        against_one_token = {name: {"identical": 0, "divergences": []} for name in ONE_TOKEN_OF}
         for index, ids in enumerate(prompt_ids):
             reference = None
             outputs = {}
@@ -183,12 +192,13 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                     row["identical"] += 1
                 else:
                     row["divergences"].append({"prompt": index, **divergence, "at": divergence["at"] - ids.shape[1]})
-            divergence = _divergence_gap(model, outputs["specpass_gguf"], outputs["specpass_gguf_one_token"])
-            if divergence is None:
-                against_one_token["identical"] += 1
-            else:
-                against_one_token["divergences"].append({"prompt": index, **divergence,
-                                                          "at": divergence["at"] - ids.shape[1]})  # fmt: skip
+            for name, one_token in ONE_TOKEN_OF.items():
+                divergence = _divergence_gap(model, outputs[name], outputs[one_token])
+                if divergence is None:
+                    against_one_token[name]["identical"] += 1
+                else:
+                    against_one_token[name]["divergences"].append({"prompt": index, **divergence,
+                                                                   "at": divergence["at"] - ids.shape[1]})  # fmt: skip
         llama_rate = totals["llama_cpp"]["tokens"] / totals["llama_cpp"]["seconds"]
         results[set_name] = {
             name: {
@@ -202,21 +212,23 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
             }
             for name, row in totals.items()
         }  # fmt: skip
-        results[set_name]["specpass_gguf"]["identical_to_one_token"] = (
-            f"{against_one_token['identical']}/{len(prompt_ids)}")
-        results[set_name]["specpass_gguf"]["divergences_from_one_token"] = against_one_token["divergences"]
+        for name, against in against_one_token.items():
+            results[set_name][name]["identical_to_one_token"] = f"{against['identical']}/{len(prompt_ids)}"
+            results[set_name][name]["divergences_from_one_token"] = against["divergences"]
         for name, row in results[set_name].items():
             prefill = "  ?" if row["prefill_share"] is None else f"{row['prefill_share']:.0%}"
             ties = sum(d.get("near_tie", False) for d in row["divergences"])
             print(f"{set_name:5s} {name:26s} {row['tokens_per_second']:7.2f} tok/s  x{row['vs_llama_cpp']:.2f} llama.cpp"
                   f"  prefill {prefill}  identical {row['identical_to_hf_float32_greedy']}"
                   f" ({ties} of {len(row['divergences'])} divergences near-ties)", flush=True)
-        gguf = results[set_name]["specpass_gguf"]
-        print(f"{set_name:5s} specpass_gguf identical to its one-token greedy {gguf['identical_to_one_token']}, "
-              f"divergences {gguf['divergences_from_one_token']}", flush=True)
+        for name in ONE_TOKEN_OF:
+            row = results[set_name][name]
+            print(f"{set_name:5s} {name} identical to its one-token greedy {row['identical_to_one_token']}, "
+                  f"divergences {row['divergences_from_one_token']}", flush=True)
     steps = {"eager": one_token_step_ms(specpass.compile_program(model, {"lowering": "eager", "budget": 1})),
              "auto (float32)": one_token_step_ms(programs["specpass_float32"]),
-             "gguf": one_token_step_ms(programs["specpass_gguf_one_token"])}  # fmt: skip
+             "gguf": one_token_step_ms(programs["specpass_gguf_one_token"]),
+             "gguf-compiled": one_token_step_ms(programs["specpass_gguf_compiled_one_token"])}  # fmt: skip
     llama_decode = sorted(llama.decode_ms[False])
     steps["llama_cpp decode (its own eval timing, prefill excluded; median over prompts)"] = round(
         llama_decode[len(llama_decode) // 2], 2)

@@ -1,5 +1,6 @@
 """The GGUF lowering: block parsing, the int4 planes against the de-quantized float32 linear, matching
-the default model's GGUF file, refusals, and greedy output against float32 (near-ties only)."""
+the default model's GGUF file, refusals, and greedy output against float32 (near-ties only), op by op
+and compiled whole (tests/test_gguf_compiled.py has the compiled step's own tests)."""
 
 import collections
 
@@ -13,7 +14,7 @@ from specpass.backends.lowering.gguf_blocks import BLOCK, match_blocks, parse_bl
 from specpass.backends.lowering.gguf import NEAR_TIE_LOGITS, available, gguf_linear, gguf_source, planes_of
 from specpass.errors import InvalidParameterError
 from specpass.ir import arch_of, capture
-from tests.conftest import tiny_model
+from tests.conftest import needs_cxx, tiny_model
 
 needs_kernel = pytest.mark.skipif(
     not available(torch.device("cpu"), torch.float32), reason="this torch build has no int4 CPU kernel"
@@ -126,14 +127,16 @@ def first_difference(tokens: torch.Tensor, other: torch.Tensor) -> int | None:
 
 
 @needs_kernel
-def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases):
-    """Speculative greedy on the GGUF lowering against HF float32 greedy (the `cases` fixture) and
-    against the lowering's own one-token greedy: where the tokens first differ, the float32 model's
-    top-2 logit gap is within NEAR_TIE_LOGITS and the token taken is its runner-up."""
+@pytest.mark.parametrize("lowering", ["gguf", pytest.param("gguf-compiled", marks=needs_cxx)])
+def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases, lowering):
+    """Speculative greedy on a GGUF lowering (op by op, or compiled whole) against HF float32 greedy
+    (the `cases` fixture) and against the lowering's own one-token greedy: where the tokens first
+    differ, the float32 model's top-2 logit gap is within NEAR_TIE_LOGITS and the token taken is its
+    runner-up."""
     model, _ = default_model
-    program = specpass.compile_program(model, {"lowering": "gguf", "budget": 8})
-    one_node = specpass.compile_program(model, {"lowering": "gguf", "budget": 1})
-    assert program.step.run.kinds == ("onednn", "gguf") and program.step.run.kind_for(8) == "gguf"
+    program = specpass.compile_program(model, {"lowering": lowering, "budget": 8})
+    one_node = specpass.compile_program(model, {"lowering": lowering, "budget": 1})
+    assert program.step.run.kinds == ("onednn", lowering) and program.step.run.kind_for(8) == lowering
     for ids, reference in (cases[0], cases[3]):  # a code prompt and a chat prompt
         new = reference.shape[1] - ids.shape[1]
         tokens = specpass.generate(program, ids, new).sequences

@@ -212,7 +212,7 @@ def test_the_lowering_registry_is_the_one_list_of_lowerings_and_their_capabiliti
         assert CompileOptions(lowering=name).lowering == name
     with pytest.raises(InvalidParameterError, match="must be one of .*'cudagraphs'"):
         CompileOptions(lowering="tensorrt")
-    assert {name for name, lowering in LOWERINGS.items() if not lowering.batches} == {"gguf"}
+    assert {name for name, lowering in LOWERINGS.items() if not lowering.batches} == {"gguf", "gguf-compiled"}
     assert LOWERINGS["cudagraphs"].devices == ("cuda",) and LOWERINGS["cudagraphs"].replays
     step = specpass.compile_program(tiny_model("llama"), {"lowering": "eager", "budget": 1}).step.run
     assert step.kinds == ("eager",)

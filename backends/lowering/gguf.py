@@ -78,7 +78,7 @@ def gguf_source(gm: torch.fx.GraphModule) -> str:
     path = gm.meta.get(GGUF_META)
     if path is None:
         raise InvalidParameterError(
-            "lowering 'gguf' reads the quantized blocks of the GGUF file the model was loaded from; this "
+            "the gguf lowerings read the quantized blocks of the GGUF file the model was loaded from; this "
             "model has none: load it with specpass.load_model() (the default model, or a .gguf file)"
         )
     return path
@@ -89,11 +89,11 @@ def gguf_planes(gm: torch.fx.GraphModule) -> dict[int, list[tuple[torch.Tensor, 
     (backends.lowering.gguf_blocks); a clear error where the lowering cannot run at all."""
     device, dtype = gm.k_cache.device, gm.k_cache.dtype
     if not available(device, dtype):
-        raise InvalidParameterError(f"lowering 'gguf' needs a float32 model on a CPU; the model is {dtype} on {device}")
+        raise InvalidParameterError(f"the gguf lowerings need a float32 model on a CPU; the model is {dtype} on {device}")
     arch = arch_of(gm)
     matched = match_blocks(gguf_source(gm), gm, arch.num_heads, arch.num_kv_heads)
     if not matched.weights:
-        raise InvalidParameterError(f"lowering 'gguf': no linear layer matched its GGUF blocks: {matched.unmatched}")
+        raise InvalidParameterError(f"the gguf lowerings: no linear layer matched its GGUF blocks: {matched.unmatched}")
     return {id(gm.get_submodule(target).weight): planes_of(blocks) for target, blocks in matched.weights.items()}
 
 

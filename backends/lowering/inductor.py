@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from specpass.backends.lowering.eager import EagerStep
+from specpass.errors import InvalidParameterError
 from specpass.ir import copy_step
 from specpass.ir.query import cache_writes
 
@@ -44,13 +45,29 @@ class InductorStep(EagerStep):
     min_tokens = 2
     min_rows = 2  # the same for rows: a batch down to its last live row still replays two (capped at the cache's rows)
 
-    def __init__(self, gm: torch.fx.GraphModule):
-        super().__init__(inplace_cache_writes(gm), kind="inductor")
+    def __init__(self, gm: torch.fx.GraphModule, kind: str = "inductor"):
+        super().__init__(inplace_cache_writes(gm), kind=kind)
+        if self.device.type == "cpu":
+            require_cpp_compiler(kind)
         self.compiled = torch.compile(self.gm, fullgraph=True, dynamic=True)
 
     @torch.no_grad()
     def run_graph(self, inputs: dict):
         return self.compiled(**{name: _plain(inputs[name]) for name in self.input_names})
+
+
+def require_cpp_compiler(lowering: str) -> None:
+    """Refuse, with the reason, where inductor cannot generate CPU code: it compiles C++ with the
+    compiler `torch._inductor.config.cpp.cxx` names (g++ by default)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # torch raises its own error types for a missing or unusable compiler
+        raise InvalidParameterError(
+            f"lowering {lowering!r} compiles the step to C++ on the CPU and needs a C++ compiler (g++ on PATH, or "
+            f"the one torch._inductor.config.cpp.cxx names): {error}; use lowering='auto' or 'gguf', which need none"
+        ) from None
 
 
 def _plain(value):

@@ -1,6 +1,6 @@
 """Lowering of a rewritten decode step to something callable, behind one contract: a `Step`, built by a
 named `Lowering` of the `LOWERINGS` registry, which also states what the lowering can do (the devices it
-runs on, batches of rows, CUDA-graph replay). Today: eager FX, oneDNN (CPU), GGUF kernels (CPU),
+runs on, batches of rows, CUDA-graph replay). Today: eager FX, oneDNN (CPU), GGUF kernels (CPU, op by op or compiled whole),
 TorchInductor (replayed in CUDA graphs on CUDA) and CUDA graphs of the FX step; `auto` picks per device,
 and on a CPU runs several, each tree size on the one measured fastest (backends.lowering.per_size).
 
@@ -61,6 +61,7 @@ class Lowering:
     devices: tuple[str, ...]  # device types it runs on
     batches: bool  # runs steps of several rows
     replays: bool  # captures CUDA graphs (one per bucket) and replays them
+    reads_gguf: bool = False  # runs the linears on the GGUF file's quantized blocks (BuildContext.planes)
 
 
 def _eager(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
@@ -80,6 +81,16 @@ def _gguf(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     if onednn.available(ctx.device, gm.k_cache.dtype):
         graph = onednn.pack_linears(graph, ctx.packed)
     return EagerStep(graph, kind="gguf")
+
+
+def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
+    """The gguf step compiled whole by inductor (backends.lowering.inductor): the int4 GEMMs stay
+    PyTorch's kernel, called from the generated code; the casts, norms, rotary, residual adds and cache
+    writes around them are fused, and no Python runs per op. Linears without GGUF blocks are compiled
+    by inductor too (its lowering does not take oneDNN's packed weights)."""
+    from specpass.backends.lowering.inductor import InductorStep
+
+    return InductorStep(pack_gguf_linears(gm, ctx.planes), kind="gguf-compiled")
 
 
 def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
@@ -107,7 +118,8 @@ LOWERINGS: dict[str, Lowering] = {
     for lowering in (
         Lowering("eager", _eager, devices=("cpu", "cuda"), batches=True, replays=False),
         Lowering("onednn", _onednn, devices=("cpu",), batches=True, replays=False),
-        Lowering("gguf", _gguf, devices=("cpu",), batches=False, replays=False),
+        Lowering("gguf", _gguf, devices=("cpu",), batches=False, replays=False, reads_gguf=True),
+        Lowering("gguf-compiled", _gguf_compiled, devices=("cpu",), batches=False, replays=False, reads_gguf=True),
         Lowering("inductor", _inductor, devices=("cpu", "cuda"), batches=True, replays=True),
         Lowering("cudagraphs", _cudagraphs, devices=("cuda",), batches=True, replays=True),
     )
@@ -119,7 +131,9 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     """The lowerings to build, the last one the default. `auto` -> inductor on CUDA (the inductor-compiled
     step replayed in CUDA graphs); on a CPU that has oneDNN (float32) both eager and onednn, each call
     running the one measured faster at its tree size (backends.lowering.per_size); else eager. `gguf` -> the GGUF
-    kernels (backends.lowering.gguf) beside the float32 kernel, each tree size on the faster one.
+    kernels (backends.lowering.gguf) beside the float32 kernel, each tree size on the faster one;
+    `gguf-compiled` the same with the gguf step compiled whole by inductor (a compile at the first call
+    of each shape class, one token and more, kept on disk by inductor's cache for later processes).
 
     Why inductor on CUDA. A small model's GPU step is bound by kernel launches; inductor fuses each
     layer's pointwise work, so its replays beat the FX step's at every tree size measured (SmolLM2-135M
@@ -128,8 +142,8 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     model on a GPU (tests/test_gpu.py). Its price is the compile at the first call, 35-90 s per program
     (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step in CUDA graphs)
     starts in seconds."""
-    if lowering == "gguf":  # the quantized kernels, and float32 where a tree size runs faster on them
-        return ("onednn" if onednn.available(device, dtype) else "eager", "gguf")
+    if lowering in ("gguf", "gguf-compiled"):  # the quantized kernels, and float32 where a size runs faster on it
+        return ("onednn" if onednn.available(device, dtype) else "eager", lowering)
     if lowering != AUTO:
         return (lowering,)
     if device.type == "cuda":
@@ -148,7 +162,8 @@ def lower(
     unknown = [kind for kind in kinds if kind not in LOWERINGS]
     if unknown:
         raise InvalidParameterError(f"unknown lowering {unknown[0]!r}; known: {AUTO}, {', '.join(LOWERINGS)}")
-    ctx = BuildContext(device, max_nodes, cache_size, packed={}, planes=gguf_planes(gm) if "gguf" in kinds else {})
+    reads_gguf = any(LOWERINGS[kind].reads_gguf for kind in kinds)
+    ctx = BuildContext(device, max_nodes, cache_size, packed={}, planes=gguf_planes(gm) if reads_gguf else {})
     steps = {kind: LOWERINGS[kind].build(gm, ctx) for kind in kinds}
     draft, resume = (_lower_side(g, ctx) for g in (draft_graph(gm), resume_graph(gm)))
     if len(steps) == 1:
