@@ -16,7 +16,8 @@ summaries [0:], chat template; every row the same prompts, the same thread count
   llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens), the same process
 Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
 first token; HF: not measured), tau where known, outputs identical to HF float32 greedy, and at each
-first divergence the reference's top-2 logit gap, `near_tie` when it is within NEAR_TIE_LOGITS (the
+first divergence how far below the float32 top logit the lower of the two tokens is, `near_tie` when
+within NEAR_TIE_LOGITS (the
 gguf lowering's rounding: backends/lowering/gguf.py). Each speculative gguf row is also compared with
 its lowering's one-token row (`identical_to_one_token`: speculation on a gguf lowering against that
 lowering's own one-token greedy; a divergence there, too, must be a near-tie of the float32 logits).
@@ -128,16 +129,16 @@ def _hf_runner(model):
 
 
 def _divergence_gap(model, sequence: torch.Tensor, reference: torch.Tensor) -> dict | None:
-    """None where `sequence` equals `reference`; else where it first differs and the float32 model's
-    top-2 logit gap there (a near-tie when small)."""
+    """None where `sequence` equals `reference`; else where it first differs and how far below the
+    float32 model's top logit there the lower of the two tokens taken is (a near-tie when small)."""
     length = min(sequence.shape[1], reference.shape[1])
     different = (sequence[0, :length] != reference[0, :length]).nonzero()
     if not len(different):
         return None if sequence.shape[1] == reference.shape[1] else {"at": length, "gap": None}
     at = int(different[0])
     with torch.no_grad():
-        top2 = model(reference[:, :at]).logits[0, -1].topk(2).values
-    gap = float(top2[0] - top2[1])
+        logits = model(reference[:, :at]).logits[0, -1]  # [V]
+    gap = float(logits.max() - logits[[int(sequence[0, at]), int(reference[0, at])]].min())
     return {"at": at, "gap": round(gap, 5), "near_tie": gap <= NEAR_TIE_LOGITS}
 
 

@@ -1,6 +1,7 @@
-"""The gguf step compiled whole by inductor (`lowering="gguf-compiled"`): the same function as the gguf
-step run op by op, on a tiny model's GGUF blocks (tests/gguf_compiled_worker.py); its compile reused by
-a second process; refused, with the reason, where no C++ compiler exists."""
+"""The gguf step compiled whole ahead of time (`lowering="gguf-compiled"`, backends.lowering.aot_compiled):
+the same function as the gguf step run op by op, on a tiny model's GGUF blocks
+(tests/gguf_compiled_worker.py), writing the program's own cache; its package loaded by a second
+process, named by the weights it holds; refused, with the reason, where no C++ compiler exists."""
 
 import json
 import os
@@ -9,13 +10,16 @@ import sys
 
 import pytest
 import torch
-from conftest import needs_cxx
+from conftest import needs_cxx, tiny_model
 from gguf_compiled_worker import quantized_tiny_step
 from test_lowering import _run_prefix_and_tree
 
+import specpass
+from specpass.backends.lowering.aot_compiled import package_key
 from specpass.backends.lowering.gguf import available, gguf_linear
 from specpass.backends.lowering.registry import LOWERINGS, resolve_lowering
 from specpass.errors import InvalidParameterError
+from specpass.ir import capture
 
 needs_kernel = pytest.mark.skipif(
     not available(torch.device("cpu"), torch.float32), reason="this torch build has no int4 CPU kernel"
@@ -25,10 +29,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "gguf_compiled_worker.py")
 
 @needs_cxx
 @needs_kernel
-def test_compiled_gguf_step_equals_the_gguf_step_op_by_op():
-    """Prefill, then a tree over the prefix: the compiled step's logits and the K/V it writes equal the
-    op-by-op step's up to bfloat16 rounding (both round the GEMMs' activations to bfloat16; fused work
-    around them may round one activation the other way), and every token's argmax is the same."""
+def test_compiled_gguf_step_equals_the_gguf_step_op_by_op(monkeypatch, tmp_path):
+    """Prefill, then a tree over the prefix (one package for both sizes): the compiled step's logits and
+    the K/V it writes into the program's cache buffers equal the op-by-op step's up to bfloat16 rounding
+    (both round the GEMMs' activations to bfloat16; fused work around them may round one activation the
+    other way), and every token's argmax is the same."""
+    monkeypatch.setenv("SPECPASS_CACHE", str(tmp_path))
     gm, ctx = quantized_tiny_step()
     op_by_op = LOWERINGS["gguf"].build(gm, ctx)
     expected = _run_prefix_and_tree(op_by_op)
@@ -40,6 +46,7 @@ def test_compiled_gguf_step_equals_the_gguf_step_op_by_op():
     linears = [n for n in compiled.gm.graph.nodes if n.target is gguf_linear]
     assert len(linears) == len([n for n in op_by_op.gm.graph.nodes if n.target is gguf_linear]) == 2 * 7 + 1
     got = _run_prefix_and_tree(compiled)
+    assert compiled.built_here and os.path.dirname(compiled.package_path) == str(tmp_path / "compiled")
     torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
     torch.testing.assert_close(gm.k_cache, expected_k, rtol=2**-7, atol=2**-7)
@@ -49,21 +56,39 @@ def test_compiled_gguf_step_equals_the_gguf_step_op_by_op():
 
 @needs_cxx
 @needs_kernel
-def test_a_second_process_reuses_the_compile(tmp_path):
-    """Inductor's cache on disk: a fresh process compiling the same step reads every compiled graph
-    back (cache hits, no miss) and computes the same logits."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+def test_a_second_process_loads_the_package(tmp_path):
+    """The first process compiles the package into $SPECPASS_CACHE; a fresh one loads it (nothing
+    compiled) and computes the same logits."""
+    env = {**os.environ, "SPECPASS_CACHE": str(tmp_path)}
     runs = []
     for _ in range(2):
         done = subprocess.run([sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["misses"] >= 1 and first["hits"] == 0
-    assert second["misses"] == 0 and second["hits"] == first["misses"]
+    assert first["built_here"] is True and second["built_here"] is False
+    assert first["package"] == second["package"] and os.path.exists(first["package"])
     assert second["logits"] == first["logits"]
 
 
+def test_the_package_is_named_by_the_weights_it_holds():
+    """Equal steps share a package; a weight changed by one ulp, or another cache size, gets another
+    (the package bakes the weights in); the KV caches' content does not count."""
+    gm, _ = quantized_tiny_step()
+    other, _ = quantized_tiny_step()
+    assert package_key(gm) == package_key(other)
+    other.k_cache.fill_(1.0)
+    assert package_key(gm) == package_key(other)
+    weight = other.get_submodule("layers.1.mlp.down_proj").weight
+    with torch.no_grad():
+        weight[3, 7] = torch.nextafter(weight[3, 7], torch.tensor(1.0))
+    assert package_key(gm) != package_key(other)
+    resized, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(tiny_model("llama"), cache_size=64))
+    plain, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(tiny_model("llama"), cache_size=128))
+    assert package_key(resized) != package_key(plain)
+
+
+@needs_kernel
 def test_compiled_lowerings_are_refused_without_a_cpp_compiler(monkeypatch):
     from torch._inductor import config
 

@@ -131,12 +131,13 @@ def first_difference(tokens: torch.Tensor, other: torch.Tensor) -> int | None:
 def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases, lowering):
     """Speculative greedy on a GGUF lowering (op by op, or compiled whole) against HF float32 greedy
     (the `cases` fixture) and against the lowering's own one-token greedy: where the tokens first
-    differ, the float32 model's top-2 logit gap is within NEAR_TIE_LOGITS and the token taken is its
-    runner-up."""
+    differ, both tokens' float32 logits are within NEAR_TIE_LOGITS of the largest (the default model
+    has three-way ties: 33.543, 33.520, 33.516 at HumanEval 0's fourth token)."""
     model, _ = default_model
     program = specpass.compile_program(model, {"lowering": lowering, "budget": 8})
     one_node = specpass.compile_program(model, {"lowering": lowering, "budget": 1})
     assert program.step.run.kinds == ("onednn", lowering) and program.step.run.kind_for(8) == lowering
+    program.cost_curve, one_node.cost_curve  # a compiled step is compiled (or loaded) here, before generating
     for ids, reference in (cases[0], cases[3]):  # a code prompt and a chat prompt
         new = reference.shape[1] - ids.shape[1]
         tokens = specpass.generate(program, ids, new).sequences
@@ -148,7 +149,6 @@ def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases
             assert at >= ids.shape[1]
             with torch.no_grad():
                 logits = model(other[:, :at]).logits[0, -1]  # [V] float32
-            top2 = logits.topk(2)
-            assert {int(tokens[0, at]), int(other[0, at])} == set(top2.indices.tolist())
-            gap = float(top2.values[0] - top2.values[1])
-            assert gap <= NEAR_TIE_LOGITS, f"divergence at token {at - ids.shape[1]} with a top-2 gap of {gap:.4f}"
+            # both tokens within NEAR_TIE_LOGITS of the float32 maximum (two of a two- or three-way tie)
+            gap = float(logits.max() - logits[[int(tokens[0, at]), int(other[0, at])]].min())
+            assert gap <= NEAR_TIE_LOGITS, f"divergence at token {at - ids.shape[1]}, {gap:.4f} below the top logit"

@@ -71,11 +71,20 @@ def require_cpp_compiler(lowering: str) -> None:
 
 
 def _plain(value):
-    """A tensor input as a dense tensor of its own (not a view, not expanded): dynamo guards on both,
-    so a view in one call and a base tensor in the next would compile the step twice."""
-    if isinstance(value, torch.Tensor) and (value._base is not None or not value.is_contiguous()):
+    """A tensor input as a dense tensor of its own with row-major strides (not a view, not expanded, no
+    odd stride on a size-1 dimension): dynamo guards on all three, so a [1, T] slice of a longer row in
+    one call and a fresh tensor in the next would compile the step again (a minute on a CPU)."""
+    if isinstance(value, torch.Tensor) and (value._base is not None or value.stride() != _row_major(value.shape)):
         return value.clone(memory_format=torch.contiguous_format)
     return value
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def write_cache_in_place(cache: torch.Tensor, layer: int, slots: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -84,13 +84,13 @@ def _gguf(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
 
 
 def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
-    """The gguf step compiled whole by inductor (backends.lowering.inductor): the int4 GEMMs stay
-    PyTorch's kernel, called from the generated code; the casts, norms, rotary, residual adds and cache
-    writes around them are fused, and no Python runs per op. Linears without GGUF blocks are compiled
-    by inductor too (its lowering does not take oneDNN's packed weights)."""
-    from specpass.backends.lowering.inductor import InductorStep
+    """The gguf step compiled whole, ahead of time (backends.lowering.aot_compiled): the casts, norms,
+    rotary, residual adds and cache writes around the int4 GEMMs fused, no Python per op, one package on
+    disk for every tree size. Linears without GGUF blocks are compiled too (not on oneDNN's packed
+    weights, which inductor does not take)."""
+    from specpass.backends.lowering.aot_compiled import AotCompiledStep
 
-    return InductorStep(pack_gguf_linears(gm, ctx.planes), kind="gguf-compiled")
+    return AotCompiledStep(pack_gguf_linears(gm, ctx.planes), kind="gguf-compiled")
 
 
 def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
@@ -132,8 +132,8 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     step replayed in CUDA graphs); on a CPU that has oneDNN (float32) both eager and onednn, each call
     running the one measured faster at its tree size (backends.lowering.per_size); else eager. `gguf` -> the GGUF
     kernels (backends.lowering.gguf) beside the float32 kernel, each tree size on the faster one;
-    `gguf-compiled` the same with the gguf step compiled whole by inductor (a compile at the first call
-    of each shape class, one token and more, kept on disk by inductor's cache for later processes).
+    `gguf-compiled` the same with the gguf step compiled whole ahead of time (about a minute and a half at
+    the first call on a 2-core CPU, then a package on disk that later processes load in seconds).
 
     Why inductor on CUDA. A small model's GPU step is bound by kernel launches; inductor fuses each
     layer's pointwise work, so its replays beat the FX step's at every tree size measured (SmolLM2-135M

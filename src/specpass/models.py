@@ -24,6 +24,7 @@ import warnings
 import safetensors.torch
 import torch
 
+from specpass.user_cache import cache_dir
 from specpass.errors import InvalidParameterError
 from specpass.ir.capture import GGUF_ATTRIBUTE
 
@@ -44,14 +45,6 @@ def default_model_dir() -> str:
 
 CACHE_FORMAT = 2  # bump when what a cache entry holds changes (2: the marker records every file's size)
 MARKER = "specpass-complete.json"
-
-
-def cache_dir() -> str:
-    """Where converted GGUF models are kept: $SPECPASS_CACHE, else $XDG_CACHE_HOME/specpass, else
-    ~/.cache/specpass. Deleting it is safe: the next load converts again."""
-    if os.environ.get("SPECPASS_CACHE"):
-        return os.environ["SPECPASS_CACHE"]
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specpass")
 
 
 def load_default_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

@@ -1,0 +1,127 @@
+"""Ahead-of-time lowering for CPUs: the rewritten step compiled once by AOTInductor into a package on
+disk, one program for every tree size and attended length, loaded in about a second by later processes.
+
+Why. On a CPU the step op by op spends more time between its ops than in its GEMMs (the gguf step:
+over 5,000 op calls a token). Compiled whole, the elementwise work around the GEMMs is fused, no Python
+runs per op and the GEMMs' weights are prepared once at compile time. `torch.compile` does the fusing
+too, but traces the graph again in every process (dynamo: 20-30 s for the default model's 30 layers,
+before its cache on disk can help) and compiles one token and more tokens separately; an exported
+program with symbolic sizes is compiled once and only loaded afterwards (measured: docs/experiments.md,
+"A compiled gguf step").
+
+How. The step (cache writes in place, backends.lowering.inductor) is exported with the tokens T and the
+attended length S symbolic (S passed as the length of a tensor: exported programs take no int inputs),
+compiled with its constants inside the package, and loaded with the step's own KV-cache buffers as
+user-managed constants, so the compiled program writes the cache every other graph of the program
+reads. The package's name is a hash of the step's code, its tensors' shapes and the content of every
+tensor but the caches (weights are baked into the package), and the torch version.
+
+Invariants. The compiled step computes the FX step's function on the same cache buffers; outputs differ
+from the op-by-op step's by float rounding only. The exported range stops short of the full cache
+(S <= cache slots - 1) and starts at S = 2 (export specialises sizes 0 and 1): a step outside it runs op
+by op. The package holds a copy of the weights (the default model's gguf step: about 300 MB), mapped
+into memory when loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import torch
+import torch.fx
+from torch import nn
+
+from specpass.backends.lowering.eager import EagerStep
+from specpass.backends.lowering.inductor import _plain, inplace_cache_writes, require_cpp_compiler
+from specpass.ir.layout import SlotLayout
+from specpass.user_cache import cache_dir
+
+PACKAGE_FORMAT = 1  # bump when what a package holds or how it is built changes
+EXAMPLE_TOKENS = 5  # the export's example T: a size no other dimension of the step's inputs has
+
+
+class AotCompiledStep(EagerStep):
+    """`EagerStep`'s interface over the AOTInductor package of `gm` (built or loaded at the first call)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, kind: str):
+        require_cpp_compiler(kind)
+        super().__init__(inplace_cache_writes(gm), kind=kind)
+        self.slots = self.gm.k_cache.shape[-2]  # the cache's slots a row
+        self.package_path = os.path.join(cache_dir(), "compiled", f"{kind}-{package_key(self.gm)}.pt2")
+        self.built_here: bool | None = None  # after the first call: compiled in this process (True) or loaded
+        self._lengths = torch.empty(self.slots, dtype=torch.bool)  # kv_len as a tensor's length: a view of it
+        self._compiled = None
+        self._lock = threading.Lock()
+
+    @torch.no_grad()
+    def run_graph(self, inputs: dict):
+        kv_len = inputs["kv_len"]
+        if not 2 <= kv_len < self.slots:
+            return self.gm(**{name: inputs[name] for name in self.input_names})
+        compiled = self._compiled or self._build()
+        # the compiled code reads every input as a dense row-major tensor (it does not check strides)
+        args = [self._lengths[:kv_len] if name == "kv_len" else _plain(inputs[name]) for name in self.input_names]
+        return tuple(compiled(*args))
+
+    def _build(self):
+        with self._lock:
+            if self._compiled is None:
+                self.built_here = not os.path.exists(self.package_path)
+                if self.built_here:
+                    compile_package(self.gm, self.input_names, self.slots, self.package_path)
+                compiled = torch._inductor.aoti_load_package(self.package_path)
+                caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
+                compiled.load_constants(caches, check_full_update=False, user_managed=True)
+                self._compiled = compiled
+        return self._compiled
+
+
+class _AttendedLengthAsShape(nn.Module):
+    """The step with its `kv_len` input given as a tensor whose length it is."""
+
+    def __init__(self, step: torch.fx.GraphModule, names: list[str]):
+        super().__init__()
+        self.step = step
+        self.names = names
+
+    def forward(self, *inputs):
+        kwargs = dict(zip(self.names, inputs))
+        kwargs["kv_len"] = kwargs["kv_len"].shape[0]
+        return self.step(**kwargs)
+
+
+def compile_package(gm: torch.fx.GraphModule, names: list[str], slots: int, path: str) -> None:
+    """Export `gm` with T and S symbolic and compile it into the package at `path` (written whole, then
+    renamed: a reader never sees half a package)."""
+    from torch._inductor import config
+    from torch.export import Dim
+
+    tokens = Dim("tokens", min=1, max=slots - 1)
+    attended = Dim("attended", min=2, max=slots - 1)
+    example = SlotLayout.chain(16, EXAMPLE_TOKENS).step_inputs(torch.zeros(1, EXAMPLE_TOKENS, dtype=torch.long))
+    example["kv_len"] = torch.empty(example["kv_len"], dtype=torch.bool)
+    args = tuple(example[name] for name in names)
+    shapes = tuple(
+        {0: attended} if name == "kv_len" else {d: tokens for d, size in enumerate(arg.shape) if size == EXAMPLE_TOKENS}
+        for name, arg in zip(names, args)
+    )
+    exported = torch.export.export(_AttendedLengthAsShape(gm, names), args, dynamic_shapes=(shapes,), strict=False)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path[:-len('.pt2')]}.{os.getpid()}.partial.pt2"
+    with config.patch({"aot_inductor.package_constants_in_so": True}):
+        torch._inductor.aoti_compile_and_package(exported, package_path=partial)
+    os.replace(partial, path)
+
+
+def package_key(gm: torch.fx.GraphModule) -> str:
+    """What a package depends on: the step's code, its tensors' names, shapes and dtypes, the content of
+    every tensor but the KV caches, the torch version and PACKAGE_FORMAT."""
+    digest = hashlib.sha256(f"{PACKAGE_FORMAT}|{torch.__version__}|{gm.code}".encode())
+    caches = {id(gm.k_cache), id(gm.v_cache)}
+    for name, tensor in [*gm.named_parameters(), *gm.named_buffers()]:
+        digest.update(f"|{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
+        if id(tensor) not in caches:
+            digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:24]
