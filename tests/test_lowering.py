@@ -216,3 +216,16 @@ def test_the_lowering_registry_is_the_one_list_of_lowerings_and_their_capabiliti
     assert LOWERINGS["cudagraphs"].devices == ("cuda",) and LOWERINGS["cudagraphs"].replays
     step = specpass.compile_program(tiny_model("llama"), {"lowering": "eager", "budget": 1}).step.run
     assert step.kinds == ("eager",)
+
+
+def test_compiled_calls_get_dense_row_major_inputs():
+    """A [1, T] slice of a longer row is contiguous but strided (64, 1): dynamo guards on strides (it
+    would compile the step again) and AOT-compiled code reads inputs as row-major without checking,
+    so such inputs are copied; dense ones pass as they are."""
+    from specpass.backends.lowering.inductor import _plain
+
+    row = torch.rand(1, 64)  # dense, not a view
+    for strided in (torch.empty_strided((1, 5), (64, 1)), torch.arange(128.0).view(2, 64)[:1, :5], torch.eye(4).t()):
+        dense = _plain(strided)
+        assert dense.stride() == torch.empty(dense.shape).stride() and torch.equal(dense, strided)
+    assert _plain(row) is row and _plain(7) == 7
