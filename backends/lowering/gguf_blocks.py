@@ -25,6 +25,8 @@ left to the float32 kernels.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,12 +87,22 @@ def parse_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> BlockWeigh
                        torch.from_numpy(np.ascontiguousarray(offset)))  # fmt: skip
 
 
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, size: int, mtime_ns: int):
+    """The file's GGUFReader, once per process while the file is unchanged: gguf parses every metadata
+    field in Python (the default model's 147,000 tokenizer parts: 5 s), and every gguf program needs it.
+    The reader maps the file read-only; parsed blocks are copies."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def match_blocks(path: str, gm: torch.fx.GraphModule, num_heads: int, num_kv_heads: int) -> MatchedBlocks:
     """The GGUF blocks of every `nn.Linear` the step calls (see the module docstring)."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = gguf.GGUFReader(path)
+    reader = _reader(path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
     field = reader.fields["general.architecture"]
     arch_name = bytes(field.parts[field.data[0]]).decode()
     archs = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
