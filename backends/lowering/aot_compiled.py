@@ -73,6 +73,10 @@ class AotCompiledStep(EagerStep):
                     compile_package(self.gm, self.input_names, self.slots, self.package_path)
                 compiled = torch._inductor.aoti_load_package(self.package_path)
                 caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
+                missing = sorted(set(caches) - set(compiled.get_constant_fqns()))
+                if missing:  # the package would read and write copies of its own: refuse, never decode on them
+                    raise RuntimeError(f"{self.package_path} has no constants {missing} to bind the KV caches to; "
+                                       "delete it to compile it again")  # fmt: skip
                 compiled.load_constants(caches, check_full_update=False, user_managed=True)
                 self._compiled = compiled
         return self._compiled
