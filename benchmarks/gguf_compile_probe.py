@@ -9,9 +9,10 @@ against the op-by-op step's (max difference, same argmax).
     # STEP: gguf (default) | onednn (the float32 step; each oneDNN linear wrapped in a custom op, an
     #       extern call to inductor, whose own lowering of that op takes only frozen constants)
 
-Prints one JSON line. A probe, not the lowering (`lowering="gguf-compiled"` is `dynamic`): the
-compiled graph is swapped into this process's program only; static variants compile again for each
-attended length.
+Prints one JSON line. A probe of `torch.compile`, not the lowering: `lowering="gguf-compiled"` compiles
+with AOTInductor instead (backends/lowering/aot_compiled.py; why: docs/experiments.md, "A compiled gguf
+step"). The compiled graph is swapped into this process's program only; static variants compile again
+for each attended length.
 """
 import json, sys, time, torch
 import specpass
