@@ -15,6 +15,7 @@ from gguf_compiled_worker import quantized_tiny_step
 from test_lowering import _run_prefix_and_tree
 
 import specpass
+from specpass.backends.lowering import aot_compiled
 from specpass.backends.lowering.aot_compiled import package_key
 from specpass.backends.lowering.gguf import available, gguf_linear
 from specpass.backends.lowering.registry import LOWERINGS, resolve_lowering
@@ -71,9 +72,10 @@ def test_a_second_process_loads_the_package(tmp_path):
     assert second["logits"] == first["logits"]
 
 
-def test_the_package_is_named_by_the_weights_it_holds():
-    """Equal steps share a package; a weight changed by one ulp, or another cache size, gets another
-    (the package bakes the weights in); the KV caches' content does not count."""
+def test_the_package_is_named_by_the_weights_it_holds(monkeypatch):
+    """Equal steps share a package; a weight changed by one ulp, another cache size or another CPU's
+    vector instructions get another (the package bakes the weights in, its code is the CPU's); the KV
+    caches' content does not count."""
     gm, _ = quantized_tiny_step()
     other, _ = quantized_tiny_step()
     assert package_key(gm) == package_key(other)
@@ -86,6 +88,9 @@ def test_the_package_is_named_by_the_weights_it_holds():
     resized, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(tiny_model("llama"), cache_size=64))
     plain, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(tiny_model("llama"), cache_size=128))
     assert package_key(resized) != package_key(plain)
+    same = package_key(gm)
+    monkeypatch.setattr(aot_compiled, "cpu_features", lambda: "another machine|another vector ISA")
+    assert package_key(gm) != same
 
 
 @needs_kernel

@@ -14,7 +14,8 @@ attended length S symbolic (S passed as the length of a tensor: exported program
 compiled with its constants inside the package, and loaded with the step's own KV-cache buffers as
 user-managed constants, so the compiled program writes the cache every other graph of the program
 reads. The package's name is a hash of the step's code, its tensors' shapes and the content of every
-tensor but the caches (weights are baked into the package), and the torch version.
+tensor but the caches (weights are baked into the package), the torch version and the CPU's vector
+instructions.
 
 Invariants. The compiled step computes the FX step's function on the same cache buffers; outputs differ
 from the op-by-op step's by float rounding only. The exported range stops short of the full cache
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import threading
 
 import torch
@@ -119,10 +121,19 @@ def compile_package(gm: torch.fx.GraphModule, names: list[str], slots: int, path
     os.replace(partial, path)
 
 
+def cpu_features() -> str:
+    """The machine and the vector instructions inductor generates code for here."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return f"{platform.machine()}|{pick_vec_isa()}|amx={torch.cpu._is_amx_tile_supported()}"
+
+
 def package_key(gm: torch.fx.GraphModule) -> str:
     """What a package depends on: the step's code, its tensors' names, shapes and dtypes, the content of
-    every tensor but the KV caches, the torch version and PACKAGE_FORMAT."""
-    digest = hashlib.sha256(f"{PACKAGE_FORMAT}|{torch.__version__}|{gm.code}".encode())
+    every tensor but the KV caches, the torch version, the CPU's vector instructions the generated code
+    may use (a cache folder shared by machines must not hand AVX-512 or AMX code to a CPU without them)
+    and PACKAGE_FORMAT."""
+    digest = hashlib.sha256(f"{PACKAGE_FORMAT}|{torch.__version__}|{cpu_features()}|{gm.code}".encode())
     caches = {id(gm.k_cache), id(gm.v_cache)}
     for name, tensor in [*gm.named_parameters(), *gm.named_buffers()]:
         digest.update(f"|{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode())
