@@ -17,7 +17,7 @@ for each attended length.
 import json, sys, time, torch
 import specpass
 from specpass.ir import SlotLayout
-from specpass.backends.lowering.inductor import inplace_cache_writes, _plain
+from specpass.backends.lowering.inductor import dense_row_major, inplace_cache_writes
 
 variant = sys.argv[1]
 kind = sys.argv[2] if len(sys.argv) > 2 else "gguf"  # or onednn: the float32 step on oneDNN-packed linears
@@ -79,7 +79,7 @@ with torch.no_grad(), outer.pinned(kind):
     reference = sequence_logits()
     gm = opaque_onednn_linears(inplace_cache_writes(run.gm))
     compiled = torch.compile(gm, fullgraph=True, dynamic=dynamic, options=options)
-    run.run_graph = lambda inputs: compiled(**{name: _plain(inputs[name]) for name in run.input_names})
+    run.run_graph = lambda inputs: compiled(**{name: dense_row_major(inputs[name]) for name in run.input_names})
     started = time.perf_counter()
     program.measured_forward(torch.tensor([1]), SlotLayout.chain(256, 1))
     compile_s = round(time.perf_counter() - started, 1)

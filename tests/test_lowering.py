@@ -222,10 +222,10 @@ def test_compiled_calls_get_dense_row_major_inputs():
     """A [1, T] slice of a longer row is contiguous but strided (64, 1): dynamo guards on strides (it
     would compile the step again) and AOT-compiled code reads inputs as row-major without checking,
     so such inputs are copied; dense ones pass as they are."""
-    from specpass.backends.lowering.inductor import _plain
+    from specpass.backends.lowering.inductor import dense_row_major
 
     row = torch.rand(1, 64)  # dense, not a view
     for strided in (torch.empty_strided((1, 5), (64, 1)), torch.arange(128.0).view(2, 64)[:1, :5], torch.eye(4).t()):
-        dense = _plain(strided)
+        dense = dense_row_major(strided)
         assert dense.stride() == torch.empty(dense.shape).stride() and torch.equal(dense, strided)
-    assert _plain(row) is row and _plain(7) == 7
+    assert dense_row_major(row) is row and dense_row_major(7) == 7

@@ -36,7 +36,7 @@ import torch.fx
 from torch import nn
 
 from specpass.backends.lowering.eager import EagerStep
-from specpass.backends.lowering.inductor import _plain, inplace_cache_writes, require_cpp_compiler
+from specpass.backends.lowering.inductor import dense_row_major, inplace_cache_writes, require_cpp_compiler
 from specpass.ir.layout import SlotLayout
 from specpass.user_cache import cache_dir
 
@@ -63,8 +63,8 @@ class AotCompiledStep(EagerStep):
         if not 2 <= kv_len < self.slots:
             return self.gm(**{name: inputs[name] for name in self.input_names})
         compiled = self._compiled or self._build()
-        # the compiled code reads every input as a dense row-major tensor (it does not check strides)
-        args = [self._lengths[:kv_len] if name == "kv_len" else _plain(inputs[name]) for name in self.input_names]
+        args = [self._lengths[:kv_len] if name == "kv_len" else dense_row_major(inputs[name])
+                for name in self.input_names]  # fmt: skip
         return tuple(compiled(*args))
 
     def _build(self):

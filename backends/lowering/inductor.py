@@ -30,6 +30,7 @@ import operator
 
 import torch
 import torch.fx
+from torch._prims_common import make_contiguous_strides_for
 
 from specpass.backends.lowering.eager import EagerStep
 from specpass.errors import InvalidParameterError
@@ -53,7 +54,7 @@ class InductorStep(EagerStep):
 
     @torch.no_grad()
     def run_graph(self, inputs: dict):
-        return self.compiled(**{name: _plain(inputs[name]) for name in self.input_names})
+        return self.compiled(**{name: dense_row_major(inputs[name]) for name in self.input_names})
 
 
 def require_cpp_compiler(lowering: str) -> None:
@@ -70,21 +71,16 @@ def require_cpp_compiler(lowering: str) -> None:
         ) from None
 
 
-def _plain(value):
+def dense_row_major(value):
     """A tensor input as a dense tensor of its own with row-major strides (not a view, not expanded, no
     odd stride on a size-1 dimension): dynamo guards on all three, so a [1, T] slice of a longer row in
-    one call and a fresh tensor in the next would compile the step again (a minute on a CPU)."""
-    if isinstance(value, torch.Tensor) and (value._base is not None or value.stride() != _row_major(value.shape)):
+    one call and a fresh tensor in the next would compile the step again (a minute on a CPU), and
+    AOT-compiled code reads its inputs so without checking. Other values pass as they are."""
+    if isinstance(value, torch.Tensor) and (
+        value._base is not None or value.stride() != make_contiguous_strides_for(value.shape)
+    ):
         return value.clone(memory_format=torch.contiguous_format)
     return value
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def write_cache_in_place(cache: torch.Tensor, layer: int, slots: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

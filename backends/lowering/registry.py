@@ -142,7 +142,7 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     model on a GPU (tests/test_gpu.py). Its price is the compile at the first call, 35-90 s per program
     (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step in CUDA graphs)
     starts in seconds."""
-    if lowering in ("gguf", "gguf-compiled"):  # the quantized kernels, and float32 where a size runs faster on it
+    if lowering in LOWERINGS and LOWERINGS[lowering].reads_gguf:  # and float32 where a size runs faster on it
         return ("onednn" if onednn.available(device, dtype) else "eager", lowering)
     if lowering != AUTO:
         return (lowering,)
