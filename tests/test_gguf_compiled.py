@@ -5,6 +5,7 @@ process, named by the weights it holds; refused, with the reason, where no C++ c
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -25,6 +26,7 @@ from specpass.ir import capture
 needs_kernel = pytest.mark.skipif(
     not available(torch.device("cpu"), torch.float32), reason="this torch build has no int4 CPU kernel"
 )
+NO_COMPILER = (None, "no-such-c++-compiler")  # torch._inductor.config.cpp.cxx naming no compiler
 WORKER = os.path.join(os.path.dirname(__file__), "gguf_compiled_worker.py")
 
 
@@ -54,6 +56,13 @@ def test_compiled_gguf_step_equals_the_gguf_step_op_by_op(monkeypatch, tmp_path)
     torch.testing.assert_close(gm.v_cache, expected_v, rtol=2**-7, atol=2**-7)
     assert float(gm.k_cache[:, :, :, 30:35].abs().sum()) > 0  # the tree's K/V were written, in place
 
+    from torch._inductor import config
+
+    with config.patch({"cpp.cxx": NO_COMPILER}):  # loading a package needs none
+        loaded = LOWERINGS["gguf-compiled"].build(gm, ctx)
+        torch.testing.assert_close(_run_prefix_and_tree(loaded), got, rtol=0, atol=0)
+    assert loaded.built_here is False and loaded.package_path == compiled.package_path
+
 
 @needs_cxx
 @needs_kernel
@@ -74,7 +83,7 @@ def test_a_second_process_loads_the_package(tmp_path):
 
 def test_the_package_is_named_by_the_weights_it_holds(monkeypatch):
     """Equal steps share a package; a weight changed by one ulp, another cache size or another CPU's
-    vector instructions get another (the package bakes the weights in, its code is the CPU's); the KV
+    instruction-set extensions get another (the package bakes the weights in, its code is the CPU's); the KV
     caches' content does not count."""
     gm, _ = quantized_tiny_step()
     other, _ = quantized_tiny_step()
@@ -89,18 +98,23 @@ def test_the_package_is_named_by_the_weights_it_holds(monkeypatch):
     plain, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(tiny_model("llama"), cache_size=128))
     assert package_key(resized) != package_key(plain)
     same = package_key(gm)
+    features = aot_compiled.cpu_features().split("|")[1].split()
+    if platform.machine() == "x86_64" and os.path.exists("/proc/cpuinfo"):  # what -march=native may use
+        assert ("avx2" in features) == torch.cpu._is_avx2_supported()
+        assert ("avx512f" in features) == torch.cpu._is_avx512_supported()
     monkeypatch.setattr(aot_compiled, "cpu_features", lambda: "another machine|another vector ISA")
     assert package_key(gm) != same
 
 
 @needs_kernel
-def test_compiled_lowerings_are_refused_without_a_cpp_compiler(monkeypatch):
+def test_compiled_lowerings_are_refused_without_a_cpp_compiler(monkeypatch, tmp_path):
+    """Where the package is not compiled yet (an empty cache folder)."""
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-c++-compiler"))
+    monkeypatch.setenv("SPECPASS_CACHE", str(tmp_path))
     gm, ctx = quantized_tiny_step()
     for name in ("gguf-compiled", "inductor"):
-        with pytest.raises(InvalidParameterError, match=rf"lowering '{name}' compiles the step to C\+\+ .* needs a C\+\+ compiler"):
+        with config.patch({"cpp.cxx": NO_COMPILER}), pytest.raises(InvalidParameterError, match=rf"lowering '{name}' compiles the step to C\+\+ .* needs a C\+\+ compiler"):
             LOWERINGS[name].build(gm, ctx)
 
 

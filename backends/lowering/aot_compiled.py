@@ -14,8 +14,8 @@ attended length S symbolic (S passed as the length of a tensor: exported program
 compiled with its constants inside the package, and loaded with the step's own KV-cache buffers as
 user-managed constants, so the compiled program writes the cache every other graph of the program
 reads. The package's name is a hash of the step's code, its tensors' shapes and the content of every
-tensor but the caches (weights are baked into the package), the torch version and the CPU's vector
-instructions.
+tensor but the caches (weights are baked into the package), the torch version and the CPU's
+instruction-set extensions. A C++ compiler is needed only to compile a package, not to load one.
 
 Invariants. The compiled step computes the FX step's function on the same cache buffers; outputs differ
 from the op-by-op step's by float rounding only. The exported range stops short of the full cache
@@ -48,10 +48,11 @@ class AotCompiledStep(EagerStep):
     """`EagerStep`'s interface over the AOTInductor package of `gm` (built or loaded at the first call)."""
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str):
-        require_cpp_compiler(kind)
         super().__init__(inplace_cache_writes(gm), kind=kind)
         self.slots = self.gm.k_cache.shape[-2]  # the cache's slots a row
         self.package_path = os.path.join(cache_dir(), "compiled", f"{kind}-{package_key(self.gm)}.pt2")
+        if not os.path.exists(self.package_path):  # refused when built, not at the first call
+            require_cpp_compiler(kind)
         self.built_here: bool | None = None  # after the first call: compiled in this process (True) or loaded
         self._lengths = torch.empty(self.slots, dtype=torch.bool)  # kv_len as a tensor's length: a view of it
         self._compiled = None
@@ -72,6 +73,7 @@ class AotCompiledStep(EagerStep):
             if self._compiled is None:
                 self.built_here = not os.path.exists(self.package_path)
                 if self.built_here:
+                    require_cpp_compiler(self.kind)
                     compile_package(self.gm, self.input_names, self.slots, self.package_path)
                 compiled = torch._inductor.aoti_load_package(self.package_path)
                 caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
@@ -122,15 +124,22 @@ def compile_package(gm: torch.fx.GraphModule, names: list[str], slots: int, path
 
 
 def cpu_features() -> str:
-    """The machine and the vector instructions inductor generates code for here."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    return f"{platform.machine()}|{pick_vec_isa()}|amx={torch.cpu._is_amx_tile_supported()}"
+    """The machine and every instruction-set extension its CPU reports: inductor compiles with
+    `-march=native`, so a package may use any of them. Read from /proc/cpuinfo (instant; inductor's own
+    probe, `pick_vec_isa`, compiles a test program: a second in every process); elsewhere the
+    processor's name."""
+    flags = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1].strip() for line in info if line.startswith(("flags", "Features"))), flags)
+    except OSError:
+        pass
+    return f"{platform.machine()}|{' '.join(sorted(flags.split()))}"
 
 
 def package_key(gm: torch.fx.GraphModule) -> str:
     """What a package depends on: the step's code, its tensors' names, shapes and dtypes, the content of
-    every tensor but the KV caches, the torch version, the CPU's vector instructions the generated code
+    every tensor but the KV caches, the torch version, the CPU's instruction-set extensions the generated code
     may use (a cache folder shared by machines must not hand AVX-512 or AMX code to a CPU without them)
     and PACKAGE_FORMAT."""
     digest = hashlib.sha256(f"{PACKAGE_FORMAT}|{torch.__version__}|{cpu_features()}|{gm.code}".encode())

@@ -25,8 +25,6 @@ left to the float32 kernels.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +32,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from specpass.backends.lowering.gguf_index import read_index
 from specpass.errors import InvalidParameterError
 
 BLOCK = 32
@@ -87,28 +86,17 @@ def parse_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> BlockWeigh
                        torch.from_numpy(np.ascontiguousarray(offset)))  # fmt: skip
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, size: int, mtime_ns: int):
-    """The file's GGUFReader, once per process while the file is unchanged: gguf parses every metadata
-    field in Python (the default model's 147,000 tokenizer parts: 5 s), and every gguf program needs it.
-    The reader maps the file read-only; parsed blocks are copies."""
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
 def match_blocks(path: str, gm: torch.fx.GraphModule, num_heads: int, num_kv_heads: int) -> MatchedBlocks:
     """The GGUF blocks of every `nn.Linear` the step calls (see the module docstring)."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = _reader(path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
-    field = reader.fields["general.architecture"]
-    arch_name = bytes(field.parts[field.data[0]]).decode()
+    index = read_index(path)
+    arch_name = index.architecture
     archs = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
     if arch_name not in archs:
         raise InvalidParameterError(f"{path}: gguf does not know the architecture {arch_name!r}")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = index.tensors
     layers = 1 + max((int(name.split(".")[1]) for name in tensors if name.startswith("blk.")), default=-1)
     names = gguf.get_tensor_name_map(archs[arch_name], layers)
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(
@@ -129,13 +117,13 @@ def match_blocks(path: str, gm: torch.fx.GraphModule, num_heads: int, num_kv_hea
         if tensor is None:
             unmatched[node.target] = "no GGUF tensor of that name"
             continue
-        kind = tensor.tensor_type.name
+        kind = tensor.kind
         if kind not in BLOCK_BYTES:
             unmatched[node.target] = f"block type {kind} (supported: {', '.join(sorted(BLOCK_BYTES))})"
             continue
         rows, cols = module.weight.shape
         if tuple(int(n) for n in reversed(tensor.shape)) != (rows, cols):  # GGUF lists shapes inner-first
-            unmatched[node.target] = f"{tensor.name} is {list(reversed(tensor.shape.tolist()))}, the weight {[rows, cols]}"
+            unmatched[node.target] = f"{tensor.name} is {list(reversed(tensor.shape))}, the weight {[rows, cols]}"
             continue
         blocks = parse_blocks(kind, tensor.data, rows, cols)
         order = processor.process(weights=np.arange(rows)[:, None], name=tensor.name).weights[:, 0]
