@@ -21,7 +21,8 @@ within NEAR_TIE_LOGITS (the
 gguf lowering's rounding: backends/lowering/gguf.py). Each speculative gguf row is also compared with
 its lowering's one-token row (`identical_to_one_token`: speculation on a gguf lowering against that
 lowering's own one-token greedy; a divergence there, too, must be a near-tie of the float32 logits).
-Also the one-token step of each lowering (milliseconds after 256 committed tokens, median) beside
+Also the one-token step of each lowering (float32: eager, `auto`'s oneDNN, inductor compiled whole;
+the two gguf lowerings; milliseconds after 256 committed tokens, median) beside
 llama.cpp's decode time per token (its own eval timing, prefill excluded), the CPU's model and flags,
 and llama.cpp's build (its system info). Writes gguf-cpu-<device>.json.
 """
@@ -228,6 +229,8 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                   f"divergences {row['divergences_from_one_token']}", flush=True)
     steps = {"eager": one_token_step_ms(specpass.compile_program(model, {"lowering": "eager", "budget": 1})),
              "auto (float32)": one_token_step_ms(programs["specpass_float32"]),
+             "inductor (float32, compiled whole)": one_token_step_ms(
+                 specpass.compile_program(model, {"lowering": "inductor", "budget": 1})),
              "gguf": one_token_step_ms(programs["specpass_gguf_one_token"]),
              "gguf-compiled": one_token_step_ms(programs["specpass_gguf_compiled_one_token"])}  # fmt: skip
     llama_decode = sorted(llama.decode_ms[False])

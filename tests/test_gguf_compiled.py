@@ -122,3 +122,17 @@ def test_gguf_compiled_runs_beside_float32_and_not_in_batches():
     cpu = torch.device("cpu")
     assert resolve_lowering("gguf-compiled", cpu, torch.float32)[-1] == "gguf-compiled"
     assert LOWERINGS["gguf-compiled"].reads_gguf and not LOWERINGS["gguf-compiled"].batches
+
+
+def test_only_the_most_recently_used_packages_are_kept(tmp_path):
+    """Each weight file, cache size or torch version leaves a package of its own (hundreds of MB):
+    compiling a new one drops all but the KEPT_PACKAGES most recently used of that lowering, and
+    never another lowering's package or a package being written."""
+    names = [f"gguf-compiled-{index}.pt2" for index in range(6)]
+    others = ["inductor-0.pt2", "gguf-compiled-9.123.partial.pt2"]
+    for age, name in enumerate(reversed(names + others)):
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, (1000.0 * (1 + age), 1000.0 * (1 + age)))  # names[0] the newest
+    dropped = aot_compiled.drop_old_packages(str(tmp_path), "gguf-compiled", keep=4)
+    assert sorted(os.path.basename(p) for p in dropped) == names[4:]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[:4] + others)

@@ -21,11 +21,12 @@ Invariants. The compiled step computes the FX step's function on the same cache 
 from the op-by-op step's by float rounding only. The exported range stops short of the full cache
 (S <= cache slots - 1) and starts at S = 2 (export specialises sizes 0 and 1): a step outside it runs op
 by op. The package holds a copy of the weights (the default model's gguf step: about 300 MB), mapped
-into memory when loaded.
+into memory when loaded; the KEPT_PACKAGES most recently used packages of a lowering stay on disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -40,6 +41,7 @@ from specpass.backends.lowering.inductor import dense_row_major, inplace_cache_w
 from specpass.ir.layout import SlotLayout
 from specpass.user_cache import cache_dir
 
+KEPT_PACKAGES = 4  # of one lowering, the most recently used: each holds its weights (300 MB for the default model)
 PACKAGE_FORMAT = 1  # bump when what a package holds or how it is built changes
 EXAMPLE_TOKENS = 5  # the export's example T: a size no other dimension of the step's inputs has
 
@@ -75,6 +77,9 @@ class AotCompiledStep(EagerStep):
                 if self.built_here:
                     require_cpp_compiler(self.kind)
                     compile_package(self.gm, self.input_names, self.slots, self.package_path)
+                    drop_old_packages(os.path.dirname(self.package_path), self.kind)
+                else:
+                    os.utime(self.package_path)  # used now: the newest are kept
                 compiled = torch._inductor.aoti_load_package(self.package_path)
                 caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
                 missing = sorted(set(caches) - set(compiled.get_constant_fqns()))
@@ -121,6 +126,22 @@ def compile_package(gm: torch.fx.GraphModule, names: list[str], slots: int, path
     with config.patch({"aot_inductor.package_constants_in_so": True}):
         torch._inductor.aoti_compile_and_package(exported, package_path=partial)
     os.replace(partial, path)
+
+
+def drop_old_packages(folder: str, kind: str, keep: int = KEPT_PACKAGES) -> list[str]:
+    """Delete all but the `keep` most recently used packages of lowering `kind` in `folder` (another
+    torch, another weight file or cache size each left one behind); returns the deleted paths. A
+    process still running a deleted package keeps its mapped copy."""
+    used = {}
+    for name in os.listdir(folder):
+        if name.startswith(f"{kind}-") and name.endswith(".pt2") and ".partial." not in name:
+            with contextlib.suppress(FileNotFoundError):  # another process dropped it first
+                used[os.path.join(folder, name)] = os.path.getmtime(os.path.join(folder, name))
+    old = sorted(used, key=used.__getitem__, reverse=True)[keep:]
+    for path in old:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    return old
 
 
 def cpu_features() -> str:
