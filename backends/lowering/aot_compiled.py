@@ -79,7 +79,8 @@ class AotCompiledStep(EagerStep):
                     compile_package(self.gm, self.input_names, self.slots, self.package_path)
                     drop_old_packages(os.path.dirname(self.package_path), self.kind)
                 else:
-                    os.utime(self.package_path)  # used now: the newest are kept
+                    with contextlib.suppress(OSError):  # used now, so kept; a read-only cache folder is fine
+                        os.utime(self.package_path)
                 compiled = torch._inductor.aoti_load_package(self.package_path)
                 caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
                 missing = sorted(set(caches) - set(compiled.get_constant_fqns()))
