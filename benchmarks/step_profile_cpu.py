@@ -51,8 +51,8 @@ def read_bandwidth_gbs(gib: float = 1.0) -> float:
 
 def weight_bytes(model, lowering: str) -> int:
     """Bytes of weights a one-token step reads: the model's float32 parameters (tied ones once), or for
-    the gguf lowering the GGUF file (its quantized blocks; an upper bound: it holds the embedding too)."""
-    if lowering == "gguf":
+    the gguf lowerings the GGUF file (its quantized blocks; an upper bound: it holds the embedding too)."""
+    if lowering.startswith("gguf"):
         return os.path.getsize(os.path.join(default_model_dir(), GGUF_FILE))
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -91,7 +91,7 @@ def profile_lowering(model, lowering: str, context: int = 256, repeats: int = 20
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lowerings", nargs="+", default=["eager", "onednn", "gguf"])
+    parser.add_argument("--lowerings", nargs="+", default=["eager", "onednn", "gguf", "gguf-compiled"])
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     model, _ = specpass.load_default_model()

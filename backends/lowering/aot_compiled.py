@@ -81,7 +81,7 @@ class AotCompiledStep(EagerStep):
                 else:
                     with contextlib.suppress(OSError):  # used now, so kept; a read-only cache folder is fine
                         os.utime(self.package_path)
-                compiled = torch._inductor.aoti_load_package(self.package_path)
+                compiled = load_package(self.package_path)
                 caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
                 missing = sorted(set(caches) - set(compiled.get_constant_fqns()))
                 if missing:  # the package would read and write copies of its own: refuse, never decode on them
@@ -127,6 +127,20 @@ def compile_package(gm: torch.fx.GraphModule, names: list[str], slots: int, path
     with config.patch({"aot_inductor.package_constants_in_so": True}):
         torch._inductor.aoti_compile_and_package(exported, package_path=partial)
     os.replace(partial, path)
+
+
+def load_package(path: str):
+    """The package at `path`, loaded without `aoti_load_package`'s device check: that check runs
+    inductor's ISA probe to compare the CPU's vector ISA with the package's, which compiles six test
+    programs when inductor's cache folder is empty (6-11 s of a warm start, and a C++ compiler) and
+    runs them otherwise (1 s); the package's name already holds the CPU's flags (`package_key`)."""
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)  # path, name, single-threaded, runners, device
+    except (ImportError, AttributeError, TypeError):  # another torch's private loader: the public one
+        return torch._inductor.aoti_load_package(path)
+    return AOTICompiledModel(loader)
 
 
 def drop_old_packages(folder: str, kind: str, keep: int = KEPT_PACKAGES) -> list[str]:
