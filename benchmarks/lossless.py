@@ -7,7 +7,8 @@ summaries of stdlib docstrings [10:10+N] (the benchmark uses 0..), all disjoint 
 training prompts. Float32, on the CPU (or the GPU when there is one). Each configuration runs the
 default tree budget (the cost curve). The self-draft rows draft with the model's own layers (an exit
 after layer 24; the step without layers 3 and 25; the first 4 layers and the shipped exit adapter,
-alone, adaptive, and in the combined tree). The ONNX Runtime rows export the default model with Hydra heads
+alone, adaptive, and in the combined tree); `combined_inductor` is the combined tree on the step
+compiled whole by inductor (float32). The ONNX Runtime rows export the default model with Hydra heads
 once and run the export.
 Sampling: each configuration also samples every prompt (settings cycled over SAMPLING, seed = prompt
 index) and is compared with plain sampling of the same seed (one-node trees): keyed noise makes them
@@ -47,7 +48,9 @@ TORCH_CONFIGS = {
     "combined_self_draft_adapter": ("self-draft-combined", (specpass.rewrites.EarlyExit(4, adapter="default"),)),
     "feature": ("feature", (specpass.rewrites.FeatureDraft(),)),
     "feature_combined": ("feature-combined", (specpass.rewrites.FeatureDraft(),)),
+    "combined_inductor": ("combined", ()),
 }
+LOWERING_OF = {"combined_inductor": "inductor"}  # configurations on another lowering than `auto`
 # on ONNX Runtime: (drafter, the draft pass after TreeAttention(64)); one export per draft pass
 ORT_CONFIGS = {
     "onnxrt_combined": ("combined", specpass.rewrites.DraftHeads("hydra")),
@@ -70,7 +73,7 @@ def _programs(model, device, tokenizer, export_dir, names):
         if name not in names:
             continue
         pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(max_nodes=64), *passes)
-        options = {"drafter": drafter_by_name(drafter), "pipeline": pipeline}
+        options = {"drafter": drafter_by_name(drafter), "pipeline": pipeline, "lowering": LOWERING_OF.get(name, "auto")}
         programs[name] = specpass.compile_program(torch.compile(model, backend="specpass", options=options))
     if not set(ORT_CONFIGS) & set(names):
         return programs
