@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import specpass
+from specpass.backends.lowering.registry import LOWERINGS
 from specpass.ir import SlotLayout
 from specpass.models import GGUF_FILE, default_model_dir
 from specpass.research.bench import run_identity, write_report
@@ -52,7 +53,7 @@ def read_bandwidth_gbs(gib: float = 1.0) -> float:
 def weight_bytes(model, lowering: str) -> int:
     """Bytes of weights a one-token step reads: the model's float32 parameters (tied ones once), or for
     the gguf lowerings the GGUF file (its quantized blocks; an upper bound: it holds the embedding too)."""
-    if lowering.startswith("gguf"):
+    if LOWERINGS[lowering].reads_gguf:
         return os.path.getsize(os.path.join(default_model_dir(), GGUF_FILE))
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
