@@ -28,6 +28,38 @@ def peaked_tiny_model():
     return model
 
 
+def peaked_four_layer_llama(seed: int = 3):
+    """A random 4-layer tiny Llama with a peaked next-token law: the smallest model a feature draft
+    (three feature layers) can be trained for."""
+    import transformers
+
+    from specpass.research.tiny_models import TINY
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(TINY | {"num_hidden_layers": 4}))).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def train_tiny_feature_draft(model, directory: str):
+    """A feature draft for a 4-layer model (peaked_four_layer_llama) trained on its continuations of 20
+    random prompts, 4 held out, where the model is; saved to `directory`. Returns (corpus, held_out,
+    directory, draft, its config, the losses)."""
+    from specpass.heads.feature_draft import default_feature_layers
+    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
+    from specpass.heads.train import generate_corpus
+
+    layers = default_feature_layers(4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (1, 6), generator=gen) for _ in range(24)]
+    corpus = generate_corpus(model, prompts[:20], max_new_tokens=24, progress=False, layers=layers)
+    held_out = generate_corpus(model, prompts[20:], max_new_tokens=24, progress=False, layers=layers)
+    config = FeatureTrainConfig(epochs=40, sequences=4, steps=3, lr=3e-3, draft_vocab=96, ranks=4)
+    draft, result, losses = train_feature_draft(model, corpus, held_out, config, out_dir=directory, progress=False)
+    return corpus, held_out, directory, draft, result, losses
+
+
 def at_once(calls: list) -> list:
     """Run the zero-argument `calls` in threads of their own, released together; their results in order."""
     start = threading.Barrier(len(calls))

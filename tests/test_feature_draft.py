@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import peaked_four_layer_llama, train_tiny_feature_draft
 
 from specpass.errors import DamagedFileError, InvalidParameterError
 from specpass.heads.feature_draft import FeatureDraftConfig, FeatureDraftLayer, chain_mask, default_feature_layers
@@ -92,34 +93,12 @@ def test_saved_draft_loads_for_its_model_only(tmp_path):
         load_feature_draft(str(tmp_path), lm_head)
 
 
-def _peaked_four_layer_llama(seed: int = 3):
-    import transformers
-
-    from specpass.research.tiny_models import TINY
-
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(TINY | {"num_hidden_layers": 4}))).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # a peaked next-token law: a flat one has no top-1 to agree on
-    return model
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A feature draft trained on a 4-layer peaked tiny Llama's continuations of 20 random prompts."""
-    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
-    from specpass.heads.train import generate_corpus
-
-    model = _peaked_four_layer_llama()
-    layers = default_feature_layers(4)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 96, (1, 6), generator=gen) for _ in range(24)]
-    corpus = generate_corpus(model, prompts[:20], max_new_tokens=24, progress=False, layers=layers)
-    held_out = generate_corpus(model, prompts[20:], max_new_tokens=24, progress=False, layers=layers)
-    config = FeatureTrainConfig(epochs=40, sequences=4, steps=3, lr=3e-3, draft_vocab=96, ranks=4)
+    model = peaked_four_layer_llama()
     directory = tmp_path_factory.mktemp("trained_feature_draft")
-    draft, result, losses = train_feature_draft(model, corpus, held_out, config, out_dir=str(directory), progress=False)
-    return model, corpus, held_out, str(directory), draft, result, losses
+    return model, *train_tiny_feature_draft(model, str(directory))
 
 
 def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(trained):
@@ -213,7 +192,7 @@ def saved_draft(tmp_path_factory):
     from specpass.heads.feature_draft import config_for
     from specpass.heads.io import model_fingerprint
 
-    model = _peaked_four_layer_llama()
+    model = peaked_four_layer_llama()
     config = config_for(model, 48, model_fingerprint(model.lm_head))
     torch.manual_seed(1)
     layer = FeatureDraftLayer(config)
@@ -280,7 +259,7 @@ def test_the_pass_is_refused_twice_on_another_model_and_where_its_layers_are_mis
     model, directory, layer = saved_draft
     gm, _ = specpass.Pipeline(FeatureDraft(directory)).run(capture(model, 32))
     assert "already has a draft graph" in FeatureDraft(directory).check(gm)
-    other = capture(_peaked_four_layer_llama(seed=7), 32)
+    other = capture(peaked_four_layer_llama(seed=7), 32)
     before = other.graph.python_code("self").src
     with pytest.raises(specpass.PassMismatchError, match="trained for model"):
         specpass.Pipeline(FeatureDraft(directory)).run(other)

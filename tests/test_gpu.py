@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import peaked_tiny_model, tiny_model
+from conftest import peaked_four_layer_llama, peaked_tiny_model, tiny_model, train_tiny_feature_draft
 
 import specpass
 from specpass.research import prompts
@@ -111,6 +111,23 @@ def test_trainer_on_cuda_lowers_the_loss_and_saves_heads_the_cpu_loads(tmp_path)
         expected = heads.cpu()(h, model.model.embed_tokens(tokens))
         got = loaded(h, model.model.embed_tokens(tokens))
     torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)  # float16 on disk
+
+
+def test_feature_trainer_on_cuda_lowers_the_loss_and_saves_a_draft_the_cpu_loads(tmp_path):
+    """`train-heads --kind eagle --device cuda`: the corpus, the teacher and the training-time test run on
+    the GPU; the saved draft loads on the CPU and drafts there as well as it did on the GPU (its
+    held-out accuracy table within float16's rounding of the one measured on the GPU)."""
+    from specpass.heads.feature_training import measure_chain_accuracy
+    from specpass.heads.io import load_feature_draft
+
+    model = peaked_four_layer_llama().cuda()
+    _, held_out, _, draft, result, losses = train_tiny_feature_draft(model, str(tmp_path))
+    assert draft.draft_vocab.device.type == "cuda"
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    cpu_model = model.cpu()
+    loaded = load_feature_draft(str(tmp_path), cpu_model.lm_head).float()
+    again = measure_chain_accuracy(cpu_model, loaded, held_out, 3, 4)
+    assert all(abs(a - b) < 0.05 for x, y in zip(again, result.accuracy) for a, b in zip(x, y))
 
 
 @torch.no_grad()

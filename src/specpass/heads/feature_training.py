@@ -55,11 +55,26 @@ class FeatureTrainConfig:
 
 
 @dataclass(frozen=True)
+class _Batch:
+    """Sequences of one step on the draft's device, `width` positions s each: the features [B, W, 3H]
+    (float32, zero past each one's length), the embeddings' tokens x[s+1] [B, W], the teacher's sparse
+    law over x[s+2] (probs, rows [B, W, TOP]), its greedy token [B, W], and the masks [B, W]."""
+
+    features: torch.Tensor
+    next_tokens: torch.Tensor
+    probs: torch.Tensor
+    rows: torch.Tensor
+    greedy: torch.Tensor
+    valid: torch.Tensor
+    generated: torch.Tensor
+
+
+@dataclass(frozen=True)
 class _Sequences:
-    """The corpus as padded sequences: each one's features [L_i, 3H] (bf16, unpadded: the corpus's largest
-    part; `padded_features`), tokens [N, T + 1] (x[0..T]), the teacher's sparse law over x[s+2] at each s
-    (probs, rows [N, T, TOP], on the draft vocabulary), its greedy token [N, T], and which positions s
-    have a target ([N, T] bool; `generated`: also s >= start)."""
+    """The corpus as padded sequences, kept on the host: each one's features [L_i, 3H] (bf16, unpadded:
+    the corpus's largest part), tokens [N, T + 1] (x[0..T]), the teacher's sparse law over x[s+2] at
+    each s (probs, rows [N, T, TOP], on the draft vocabulary), its greedy token [N, T], and which
+    positions s have a target ([N, T] bool; `generated`: also s >= start)."""
 
     features: list[torch.Tensor]
     tokens: torch.Tensor
@@ -69,13 +84,17 @@ class _Sequences:
     valid: torch.Tensor
     generated: torch.Tensor
 
-    def padded_features(self, batch: torch.Tensor, width: int) -> torch.Tensor:
-        """The features of sequences `batch` as float32 [B, width, 3H], zero past each one's length."""
-        out = torch.zeros(len(batch), width, self.features[0].shape[-1])
-        for row, i in enumerate(batch.tolist()):
+    def batch(self, indices: torch.Tensor, device: torch.device) -> _Batch:
+        """Sequences `indices` up to the longest one's last target, on `device`."""
+        width = int(self.valid[indices].sum(1).max())
+        features = torch.zeros(len(indices), width, self.features[0].shape[-1])
+        for row, i in enumerate(indices.tolist()):
             length = min(width, len(self.features[i]))
-            out[row, :length] = self.features[i][:length]
-        return out
+            features[row, :length] = self.features[i][:length]
+        parts = (features, self.tokens[indices, 1 : width + 1], self.probs[indices, :width],
+                 self.rows[indices, :width], self.greedy[indices, :width], self.valid[indices, :width],
+                 self.generated[indices, :width])  # fmt: skip
+        return _Batch(*(part.to(device) for part in parts))
 
 
 @torch.no_grad()
@@ -108,8 +127,9 @@ def _sequences(corpus: list[Continuation], data: Teacher, vocab: _DraftVocabular
         features.append(seq.layer_states[:length].flatten(1).to(torch.bfloat16))
         tokens[i, : length + 1] = seq.tokens[: length + 1]
         law = slice(offset + 1, offset + 1 + length)  # the teacher at s + 1: the law over x[s+2]
-        probs[i, :length], rows[i, :length] = vocab.law(data.probs[law], data.ids[law])
-        greedy[i, :length] = data.ids[law, 0]
+        law_probs, law_rows = vocab.law(data.probs[law], data.ids[law])
+        probs[i, :length], rows[i, :length] = law_probs.cpu(), law_rows.cpu()
+        greedy[i, :length] = data.ids[law, 0].cpu()
         valid[i, :length] = True
         generated[i, max(seq.start, 0) : length] = True
     return _Sequences(features, tokens, probs, rows, greedy, valid, generated)
@@ -141,7 +161,8 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     embed = model.model.embed_tokens
     corpus = with_features(model, corpus, identity.feature_layers)
     data = _sequences(corpus, teacher(model, corpus), vocab)
-    draft.train()
+    device = model.lm_head.weight.device
+    draft = draft.to(device).train()
     batches = math.ceil(len(corpus) / config.sequences)
     total = config.epochs * batches
     optimizer, schedule = cosine_adamw([p for p in draft.parameters() if p.requires_grad], config.lr, total)
@@ -150,12 +171,12 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     losses: list[float] = []
     bar = tqdm(total=total, desc=f"training a feature draft ({config.steps} chain steps)", disable=not progress)
     for _ in range(config.epochs):
-        for batch in length_batches(lengths, config.sequences, generator):
-            width = int(lengths[batch].max())
+        for indices in length_batches(lengths, config.sequences, generator):
+            batch = data.batch(indices, device)
             with torch.no_grad():
-                embeds = embed(data.tokens[batch, 1 : width + 1])  # [B, T, H]: e(x[s+1])
-            outputs = draft.forward_chains(data.padded_features(batch, width), embeds, config.steps)
-            loss, top1 = _chain_loss(draft, outputs, data, batch, width)
+                embeds = embed(batch.next_tokens)  # [B, T, H]: e(x[s+1])
+            outputs = draft.forward_chains(batch.features, embeds, config.steps)
+            loss, top1 = _chain_loss(draft, outputs, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -189,22 +210,22 @@ def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: 
     vocab_ids = draft_vocabulary(sequences, config.vocab_size, config.draft_vocab)
     with torch.no_grad():
         draft.draft_vocab.copy_(vocab_ids)
-        draft.head.weight.copy_(model.lm_head.weight[vocab_ids].float())
+        draft.head.weight.copy_(model.lm_head.weight[vocab_ids.to(model.lm_head.weight.device)].float())
         draft.final_norm.weight.copy_(model.model.norm.weight.float())
     return draft
 
 
-def _chain_loss(draft: FeatureDraftLayer, outputs: list[torch.Tensor], data: _Sequences, batch: torch.Tensor, width: int):
+def _chain_loss(draft: FeatureDraftLayer, outputs: list[torch.Tensor], batch: _Batch):
     """The mean over chain steps of the sparse KL at positions s >= j with a target; each step's top-1
     agreement with the model's greedy token."""
     losses, top1 = [], []
     for j, states in enumerate(outputs):
-        where = data.valid[batch, :width].clone()  # [B, T]
+        where = batch.valid.clone()  # [B, T]
         where[:, :j] = False
         log_probs = F.log_softmax(draft.logits(states[where]).float(), dim=-1)  # [P, D]
-        losses.append(sparse_kl(data.probs[batch, :width][where], data.rows[batch, :width][where], log_probs))
+        losses.append(sparse_kl(batch.probs[where], batch.rows[where], log_probs))
         chosen = draft.draft_vocab[log_probs.argmax(-1)]
-        top1.append((chosen == data.greedy[batch, :width][where]).float().mean().item())
+        top1.append((chosen == batch.greedy[where]).float().mean().item())
     return torch.stack(losses).mean(), top1
 
 
@@ -218,14 +239,16 @@ def measure_chain_accuracy(model: nn.Module, draft: FeatureDraftLayer, corpus: l
     data = _sequences(corpus, teacher(model, corpus), vocab)
     hits, counts = torch.zeros(steps, ranks), torch.zeros(steps)
     embed = model.model.embed_tokens
-    for batch in torch.arange(len(corpus)).split(8):
-        width = int(data.valid[batch].sum(1).max())
-        outputs = draft.forward_chains(data.padded_features(batch, width), embed(data.tokens[batch, 1 : width + 1]), steps)
+    device = draft.draft_vocab.device
+    for indices in torch.arange(len(corpus)).split(8):
+        batch = data.batch(indices, device)
+        outputs = draft.forward_chains(batch.features, embed(batch.next_tokens), steps)
         for j, states in enumerate(outputs):
-            start_generated = F.pad(data.generated[batch, :width], (j, 0))[:, :width]  # the chain starts at s - j
-            where = data.generated[batch, :width] & start_generated
+            width = batch.generated.shape[1]
+            start_generated = F.pad(batch.generated, (j, 0))[:, :width]  # the chain starts at s - j
+            where = batch.generated & start_generated
             where[:, :j] = False
             top = draft.draft_vocab[draft.logits(states[where]).topk(ranks, dim=-1).indices]  # [P, R]
-            hits[j] += (top == data.greedy[batch, :width][where][:, None]).float().sum(0)
+            hits[j] += (top == batch.greedy[where][:, None]).float().sum(0).cpu()
             counts[j] += int(where.sum())
     return tuple(tuple(round(float(h) / max(float(c), 1.0), 4) for h in row) for row, c in zip(hits, counts))
