@@ -244,6 +244,34 @@ def test_the_pass_adds_the_features_output_and_a_draft_graph_equal_to_the_module
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n, t, s", [(3, 3, 5), (1, 7, 0), (2, 1, 9)])
+@torch.no_grad()
+def test_the_draft_graph_padded_to_its_bucket_equals_the_call(saved_draft, n, t, s):
+    """What a GPU replays (backends.lowering.draft_buckets): the lowered draft graph on inputs padded to
+    their bucket, its outputs cut back, equals the plain call, each row with its own prefix length."""
+    import specpass
+    from specpass.backends.lowering.draft_buckets import call_in_buckets
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, directory, layer = saved_draft
+    program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(TreeAttention(8), FeatureDraft(directory)),
+                                               "cache_size": 32})  # fmt: skip
+    kv, d = layer.config.num_kv_heads, layer.config.head_dim
+    lengths = [s - r % 2 * (s // 2) for r in range(n)]  # rows with shorter caches, right-padded
+    mask = torch.zeros(n, t, s + t, dtype=torch.bool)
+    for r, length in enumerate(lengths):
+        mask[r, :, :length] = True
+    mask[..., s:] = torch.ones(t, t, dtype=torch.bool).tril()
+    inputs = dict(tokens=torch.randint(0, 96, (n, t)), states=torch.randn(n, t, 32),
+                  positions=torch.tensor(lengths)[:, None] + torch.arange(t), past_keys=torch.randn(n, kv, s, d),
+                  past_values=torch.randn(n, kv, s, d), mask=mask)  # fmt: skip
+    plain = program.draft(**inputs)
+    padded = call_in_buckets(program.draft.spec, inputs, lambda bucket, padded_inputs: program.draft.run(padded_inputs))
+    for name, a, b in zip(program.draft.spec.output_names, padded, plain):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def _step_inputs_like(inputs: dict) -> dict:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 

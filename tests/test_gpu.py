@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import peaked_four_layer_llama, peaked_tiny_model, tiny_model, train_tiny_feature_draft
+from conftest import padded, peaked_four_layer_llama, peaked_tiny_model, tiny_model, train_tiny_feature_draft
 
 import specpass
 from specpass.research import prompts
@@ -128,6 +128,73 @@ def test_feature_trainer_on_cuda_lowers_the_loss_and_saves_a_draft_the_cpu_loads
     loaded = load_feature_draft(str(tmp_path), cpu_model.lm_head).float()
     again = measure_chain_accuracy(cpu_model, loaded, held_out, 3, 4)
     assert all(abs(a - b) < 0.05 for x, y in zip(again, result.accuracy) for a, b in zip(x, y))
+
+
+@pytest.fixture(scope="module")
+def feature_draft_on_cuda(tmp_path_factory):
+    """A 4-layer tiny Llama on the GPU and a feature draft trained for it (on the CPU: quick)."""
+    model = peaked_four_layer_llama()
+    directory = str(tmp_path_factory.mktemp("feature_draft"))
+    corpus, *_ = train_tiny_feature_draft(model, directory)
+    return model.cuda(), directory, corpus
+
+
+@torch.no_grad()
+def test_feature_draft_graph_replayed_in_buckets_equals_the_eager_graph(feature_draft_on_cuda):
+    """The draft graph in CUDA graphs (backends.lowering.draft_buckets): calls of other sizes in one bucket
+    and in others, each equal to the eager graph's; a bucket's second call gets its own inputs' answer."""
+    from specpass.backends.lowering.draft_buckets import CudaGraphDraft
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, directory, _ = feature_draft_on_cuda
+    pipeline = specpass.Pipeline(TreeAttention(16), FeatureDraft(directory))
+    program = specpass.compile_program(model, {"pipeline": pipeline, "lowering": "cudagraphs", "cache_size": 96})
+    replayed = program.draft.run.__self__
+    assert isinstance(replayed, CudaGraphDraft)
+    config = program.draft.config
+    gen = torch.Generator().manual_seed(0)
+    for n, t, s in ((3, 3, 5), (3, 4, 7), (1, 1, 0), (2, 5, 40), (3, 3, 6)):  # the first, second and last: one bucket
+        mask = torch.ones(n, t, s + t, dtype=torch.bool)
+        mask[..., s:] = torch.ones(t, t, dtype=torch.bool).tril()
+        mask[0, :, : s // 2] = False  # a row with a shorter cache
+        inputs = dict(tokens=torch.randint(0, 96, (n, t), generator=gen), states=torch.randn(n, t, 32, generator=gen),
+                      positions=s + torch.arange(t).expand(n, t),
+                      past_keys=torch.randn(n, config.num_kv_heads, s, config.head_dim, generator=gen),
+                      past_values=torch.randn(n, config.num_kv_heads, s, config.head_dim, generator=gen), mask=mask)  # fmt: skip
+        inputs = {name: value.cuda() for name, value in inputs.items()}
+        for name, a, b in zip(program.draft.spec.output_names, program.draft(**inputs), replayed.eager.run_graph(inputs)):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    assert len(replayed.graphs) == 3
+
+
+@pytest.mark.parametrize("lowering", ["cudagraphs", "inductor"])
+@torch.no_grad()
+def test_feature_drafting_with_replayed_draft_graphs_equals_hf_greedy(feature_draft_on_cuda, lowering):
+    """The feature draft alone and combined, its draft graph replayed, one row and three at once."""
+    from specpass.drafters import Combined, Feature, PromptLookup, TokenRecycling
+    from specpass.rewrites import FeatureDraft, TreeAttention
+
+    model, directory, corpus = feature_draft_on_cuda
+    pipeline = specpass.Pipeline(TreeAttention(16), FeatureDraft(directory))
+    rows = [corpus[0].tokens[: corpus[0].start + 1][None], torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(5)),
+            torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(11))]  # fmt: skip
+    rows = [row.cuda() for row in rows]
+    references = [model.generate(row, max_new_tokens=24, do_sample=False, eos_token_id=None) for row in rows]
+    for drafter in (Feature(), Combined(Feature(), PromptLookup(), TokenRecycling())):
+        options = {"pipeline": pipeline, "drafter": drafter, "cache_size": 96, "budget": 12, "lowering": lowering}
+        program = specpass.compile_program(model, options)
+        taus = []
+        for row, reference in zip(rows, references):
+            out = specpass.generate(program, row, max_new_tokens=24, eos_token_id=[])
+            assert torch.equal(out.sequences, reference)
+            taus.append(out.stats.tau)
+        assert program.draft.run.__self__.graphs and taus[0] > 1.5, taus
+    batch_program = specpass.compile_program(model, {**options, "drafter": Feature()}, rows=3)
+    ids, mask = padded([row.cpu() for row in rows])
+    batch = specpass.generate(batch_program, ids.cuda(), 24, attention_mask=mask.cuda(), eos_token_id=[])
+    for row, new, reference in zip(rows, batch.new_tokens, references):
+        assert list(new) == reference[0, row.shape[1] :].tolist()
 
 
 @torch.no_grad()

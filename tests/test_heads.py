@@ -77,6 +77,25 @@ def test_save_load_round_trip_and_wrong_model(trained, tmp_path):
         load_heads(directory, other.lm_head)
 
 
+@torch.no_grad()
+def test_the_heads_graph_padded_to_its_bucket_equals_the_call(trained):
+    """What a GPU replays (backends.lowering.draft_buckets): the lowered heads graph on rows padded to
+    their bucket (5 rows to 8), its outputs cut back, equals the plain call."""
+    from specpass.backends.lowering.draft_buckets import call_in_buckets
+
+    model, out, _ = trained
+    pipeline = specpass.Pipeline(TreeAttention(16), DraftHeads("hydra", out["hydra"][0]))
+    draft = specpass.compile_program(model, {"pipeline": pipeline, "cache_size": 64}).draft
+    gen = torch.Generator().manual_seed(0)
+    inputs = dict(hidden=torch.randn(5, model.config.hidden_size, generator=gen),
+                  tokens=torch.randint(3, 96, (5, 3), generator=gen), head=torch.tensor([0, 1, 2, 1, 0]))  # fmt: skip
+    plain = draft(**inputs)
+    padded = call_in_buckets(draft.spec, inputs, lambda bucket, padded_inputs: draft.run(padded_inputs))
+    assert [tuple(a.shape) for a in padded] == [tuple(b.shape) for b in plain]
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_pass_adds_a_draft_graph_and_leaves_the_verify_graph_bit_exact(trained):
     model, out, _ = trained
     directory = out["medusa"][0]

@@ -25,6 +25,21 @@ from specpass.backends.lowering.buckets import kv_bucket, tree_bucket
 from specpass.ir.layout import RowsLayout, SlotLayout
 
 
+def capture(run, static: dict, pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
+    """(graph, its outputs): `run(static)` captured in the memory pool `pool` (None: a new one; graphs
+    of one owner share the first one's `graph.pool()`), after two warm-up runs on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run(static)
+    return graph, outputs
+
+
 class CudaGraphStep:
     """Replays `eager` (an EagerStep: the FX step, or the inductor-compiled one) in CUDA graphs."""
 
@@ -53,17 +68,9 @@ class CudaGraphStep:
         return rb, tb, kv_bucket(committed + tb, self.cache_size)
 
     def _capture(self, static: dict):
-        """Warm up and capture with `static` already holding this step's real (padded) inputs, so the
-        warm-up runs write exactly the K/V the real step writes and never clobber the live cache."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.eager.run_graph(static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.eager.run_graph(static)
+        """Captured with `static` already holding this step's real (padded) inputs, so the warm-up runs
+        write exactly the K/V the real step writes and never clobber the live cache."""
+        graph, outputs = capture(self.eager.run_graph, static, self.pool)
         self.pool = graph.pool()
         return graph, outputs
 

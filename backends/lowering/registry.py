@@ -17,12 +17,13 @@ import torch
 import torch.fx
 
 from specpass.backends.lowering import onednn
+from specpass.backends.lowering.draft_buckets import CudaGraphDraft
 from specpass.backends.lowering.eager import EagerStep
 from specpass.backends.lowering.fuse_projections import fuse_projections
 from specpass.backends.lowering.gguf import gguf_planes, pack_gguf_linears
 from specpass.backends.lowering.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
-from specpass.ir.draft import draft_graph, resume_graph
+from specpass.ir.draft import draft_graph, draft_spec, resume_graph
 from specpass.ir.layout import RowsLayout
 
 
@@ -153,11 +154,12 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
 
 def lower(
     gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int
-) -> tuple[Step, EagerStep | None, EagerStep | None]:
+) -> tuple[Step, EagerStep | CudaGraphDraft | None, EagerStep | None]:
     """(the lowered verify step, the lowered draft graph or None, the lowered resume graph or None).
     The side graphs (ir.draft) run eagerly, on oneDNN-packed weights on a CPU (sharing the verify
     step's packed weights: its LM head, and for a resume graph its layers), and on the GGUF planes
-    where the lowering is `gguf`."""
+    where the lowering is `gguf`. On a GPU, where the verify step replays CUDA graphs, a draft graph
+    called by rows replays too, bucketed by its named sizes (backends.lowering.draft_buckets)."""
     kinds = resolve_lowering(lowering, device, gm.k_cache.dtype)
     unknown = [kind for kind in kinds if kind not in LOWERINGS]
     if unknown:
@@ -166,6 +168,9 @@ def lower(
     ctx = BuildContext(device, max_nodes, cache_size, packed={}, planes=gguf_planes(gm) if reads_gguf else {})
     steps = {kind: LOWERINGS[kind].build(gm, ctx) for kind in kinds}
     draft, resume = (_lower_side(g, ctx) for g in (draft_graph(gm), resume_graph(gm)))
+    spec = draft_spec(gm)
+    if draft is not None and device.type == "cuda" and not spec.shares_cache and any(LOWERINGS[k].replays for k in kinds):
+        draft = CudaGraphDraft(draft, spec)  # a draft by rows replays too (a cache-sharing one runs as a step)
     if len(steps) == 1:
         return steps[kinds[0]], draft, resume
     return FastestPerSize(steps, default=kinds[-1]), draft, resume
