@@ -179,8 +179,10 @@ def test_cli_refuses_options_of_other_kinds(capsys):
     from specpass.cli import main
 
     for args, message in ((("--kind", "eagle", "--heads", "3"), "--heads is for draft heads"),
-                          (("--kind", "hydra", "--chain-steps", "3"), "--chain-steps and --resume are for --kind eagle"),
-                          (("--kind", "medusa", "--resume", "unused"), "--chain-steps and --resume are for --kind eagle"),
+                          (("--kind", "hydra", "--chain-steps", "3"), "--chain-steps, --sequences and --resume are for"),
+                          (("--kind", "hydra", "--sequences", "32"), "--chain-steps, --sequences and --resume are for"),
+                          (("--kind", "medusa", "--resume", "unused"), "--chain-steps, --sequences and --resume are for"),
+                          (("--kind", "eagle", "--sequences", "0"), "sequences must be a positive int"),
                           (("--kind", "eagle", "--chain-steps", "0"), "steps must be a positive int")):  # fmt: skip
         assert main(["train-heads", "--out", "unused", *args]) == 2
         assert message in capsys.readouterr().err

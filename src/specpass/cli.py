@@ -242,13 +242,13 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
     if kind not in ("medusa", "hydra") and args.heads is not None:
         raise InvalidParameterError(f"--heads is for draft heads (--kind medusa or hydra), not --kind {kind}")
-    if kind != "eagle" and (args.chain_steps is not None or args.resume is not None):
-        raise InvalidParameterError("--chain-steps and --resume are for --kind eagle")
+    if kind != "eagle" and any(v is not None for v in (args.chain_steps, args.sequences, args.resume)):
+        raise InvalidParameterError("--chain-steps, --sequences and --resume are for --kind eagle")
     if kind == "exit-adapter":
         given |= {"layer": args.layer, "blocks": args.blocks, "inner_size": args.inner_size}
         config_type = ExitTrainConfig
     elif kind == "eagle":
-        given |= {"steps": args.chain_steps}
+        given |= {"steps": args.chain_steps, "sequences": args.sequences}
         config_type = FeatureTrainConfig
     else:
         given |= {"kind": kind, "num_heads": args.heads}
@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--inner-size", type=int, help="exit-adapter: each block's MLP width (default 1536)")
     heads.add_argument("--chain-steps", type=int,
                        help="eagle: draft steps trained at once on the draft's own states (default 4)")
+    heads.add_argument("--sequences", type=int,
+                       help="eagle: whole sequences per optimizer step (default 8; the GPU recipe 32)")
     heads.add_argument("--prompts", type=int,
                        help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000, "
                        "eagle 1000)")
