@@ -27,12 +27,12 @@ import torch
 
 import specpass
 from specpass.heads.feature_training import FeatureTrainConfig, measure_chain_accuracy, train_feature_draft, with_features
-from specpass.heads.io import load_feature_draft
+from specpass.heads.io import load_feature_draft, shipped_heads
 from specpass.heads.train import Continuation, generate_corpus
 from specpass.research.bench import run_identity, write_report
 from specpass.research.training_prompts import held_out_prompts, training_modules
 
-SHIPPED = str(specpass.__path__[0]) + "/data/heads/eagle"
+SHIPPED = shipped_heads("eagle")  # the shipped feature draft
 
 
 def text_chunks(tokenizer, count: int, chunk: int, seed: int = 0) -> list[torch.Tensor]:
