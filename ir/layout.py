@@ -49,6 +49,7 @@ class SlotLayout:
             raise ValueError(f"committed and evicted counts must be >= 0, got {self.committed}, {self.evicted}")
         if self.ancestors.dim() != 2 or self.ancestors.shape[0] != self.ancestors.shape[1] or self.size < 1:
             raise ValueError(f"ancestors must be a non-empty square [T, T] mask, got {tuple(self.ancestors.shape)}")
+        _check_order(self.ancestors)
 
     @classmethod
     def chain(cls, committed: int, size: int, device: torch.device | str = "cpu", evicted: int = 0) -> SlotLayout:
@@ -141,6 +142,7 @@ class RowsLayout:
         batch = len(self.committed)
         if not batch or self.ancestors.shape[0] != batch or len(self.sizes) != batch or len(self.evicted) != batch:
             raise ValueError("a rows layout needs at least one row, with one committed, size and evicted count each")
+        _check_order(self.ancestors)
 
     @classmethod
     def of(cls, rows: Sequence[SlotLayout]) -> RowsLayout:
@@ -223,6 +225,14 @@ class RowsLayout:
                     sources.append(committed + node)
                     destinations.append(committed + i)
         return rows, sources, destinations
+
+
+def _check_order(ancestors: torch.Tensor) -> None:
+    """Ancestors precede their descendants (each mask lower-triangular): a node's visible slots, in slot
+    order, are then the committed prefix and its ancestors by depth, the order in which attention sums
+    them (backends.kernels.attention) for the same token decoded alone."""
+    if ancestors.triu(1).any():
+        raise ValueError("a node's ancestors must precede it in the layout (an ancestor mask above its diagonal)")
 
 
 def padded_mask(ancestors: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:

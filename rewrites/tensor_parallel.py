@@ -8,8 +8,11 @@ Rewrite, on rank r of a world of W processes (torch.distributed initialised, e.g
   [r * n / W, (r + 1) * n / W), so it holds heads [r * H / W, ...) and KV heads [r * KV / W, ...) and
   a slice of the MLP's intermediate width (the graph's views already use -1 for the head count);
 * o and down projections are row-parallel (rank r keeps the matching input columns; a bias is kept on
-  rank 0 only), and their outputs are summed over ranks: `all_reduce` + `wait_tensor`, traceable
-  functional collectives (torch.ops._c10d_functional), so the step stays an FX graph;
+  rank 0 only), and their outputs are summed over ranks: an all-reduce made of `all_gather_into_tensor`
+  + `wait_tensor` (traceable functional collectives, torch.ops._c10d_functional, so the step stays an
+  FX graph) and `ranked_sum`, the ranks' parts added in rank order. Not `all_reduce`: gloo's ring
+  splits the buffer by its size, so an element's order of summation, and its bits, would depend on
+  how many tokens the step holds (measured: the build-time check refused it, backends.runtime.invariance);
 * the LM head is sharded over the vocabulary, and the logits are gathered (`all_gather_into_tensor`
   over the vocabulary dimension, moved to the front and back);
 * the KV cache buffers keep rank r's KV heads only: cache memory per rank falls by W.
@@ -23,8 +26,8 @@ sub-layers of laddered layers (rewrites.ladder_residual): there the next sub-lay
 from before this output, so the wait and the residual add it feeds move after the next sub-layer's
 all-reduce is issued, and communication overlaps that sub-layer's compute.
 
-Invariants. Outputs equal the unsharded step's up to float rounding of the sums (tested at 1e-5);
-two all-reduces per layer. It does not apply without an initialised process group, when a head count,
+Invariants. Outputs equal the unsharded step's up to float rounding of the sums (tested at 1e-5), and a
+token's outputs do not depend on the rest of the step (each sum in rank order); two all-reduces per layer. It does not apply without an initialised process group, when a head count,
 KV-head count, intermediate width or vocabulary does not divide by W, to fused q/k/v or gate/up
 projections or to q/k norms over the whole projection (they would need a gather), to a step with a
 draft graph, or twice.
@@ -79,7 +82,7 @@ class TensorParallel(Pass):
         if group is None:
             return "torch.distributed is not initialised (launch with torchrun and call init_process_group)"
         world = group[1]
-        if collective_nodes(gm.graph, _ops.all_reduce.default):
+        if collective_nodes(gm.graph, _ops.all_gather_into_tensor.default):
             return "the step is already sharded"
         if draft_graph(gm) is not None:
             return "a step with a draft graph (draft heads, early exit) is not sharded: its side graph would stay whole"
@@ -114,7 +117,7 @@ class TensorParallel(Pass):
             shards.add_module(name, sharded)
             node.target = f"{SHARDS}.{name}"
             if leaf in ROW:
-                waits[node] = _all_reduce_after(graph, node, group)
+                waits[node] = _all_reduce_after(graph, node, world, group)
             elif leaf == "lm_head":
                 _all_gather_after(graph, node, world, group)
         for name in ("k_cache", "v_cache"):  # [L, B, KV, S, D]: this rank's KV heads
@@ -123,7 +126,8 @@ class TensorParallel(Pass):
             gm.register_buffer(name, cache[:, :, rank * per_rank : (rank + 1) * per_rank].clone(), persistent=False)
         _delay_laddered_waits(graph, arch_of(gm).num_layers, waits)
         graph.lint()
-        summary = f"rank {rank} of {world}: {2 * arch_of(gm).num_layers} all-reduces, logits gathered over the vocabulary"
+        summary = (f"rank {rank} of {world}: {2 * arch_of(gm).num_layers} all-reduces (gathered, summed in rank order), "
+                   f"logits gathered over the vocabulary")  # fmt: skip
         return PassResult(gm, modified=True, summary=summary)
 
     def runtime_hook(self, gm: torch.fx.GraphModule):
@@ -133,16 +137,14 @@ class TensorParallel(Pass):
         return Lockstep()
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
-        """Two all-reduces a layer, each waited on; one gather for the logits; waits of laddered
-        sub-layers after the next sub-layer's all-reduce."""
+        """Two all-reduces (gathered, summed in rank order) a layer, each waited on; one more gather for the
+        logits; waits of laddered sub-layers after the next sub-layer's gather."""
         graph = gm.graph
         num_layers = arch_of(gm).num_layers
-        reduces = collective_nodes(graph, _ops.all_reduce.default)
+        reduces = sum_gathers(graph)
         if len(reduces) != 2 * num_layers:
             raise GraphVerificationError(f"TensorParallel: {len(reduces)} all-reduces, expected {2 * num_layers}")
-        if any(not any(u.target is _ops.wait_tensor.default for u in r.users) for r in reduces):
-            raise GraphVerificationError("TensorParallel: an all-reduce is never waited on")
-        if len(collective_nodes(graph, _ops.all_gather_into_tensor.default)) != 1:
+        if len(collective_nodes(graph, _ops.all_gather_into_tensor.default)) != 2 * num_layers + 1:
             raise GraphVerificationError("TensorParallel: the logits are not gathered once")
         order = {n: i for i, n in enumerate(graph.nodes)}
         for reduce, later in zip(reduces, reduces[1:]):
@@ -188,16 +190,37 @@ def _annotated(node: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _all_reduce_after(graph: torch.fx.Graph, node: torch.fx.Node, group: str) -> torch.fx.Node:
-    """node's output summed over ranks: node -> all_reduce -> wait_tensor, which node's users read."""
+def _all_reduce_after(graph: torch.fx.Graph, node: torch.fx.Node, world: int, group: str) -> torch.fx.Node:
+    """node's output summed over ranks in rank order (module docstring): node -> all_gather -> wait_tensor
+    -> ranked_sum, which node's users read. Returns the wait."""
     users = list(node.users)
     with graph.inserting_after(node):
-        reduce = _annotated(graph.call_function(_ops.all_reduce.default, (node, "sum", group)), node)
-    with graph.inserting_after(reduce):
-        wait = _annotated(graph.call_function(_ops.wait_tensor.default, (reduce,)), node)
+        dense = _annotated(graph.call_method("contiguous", (node,)), node)
+    with graph.inserting_after(dense):
+        gather = _annotated(graph.call_function(_ops.all_gather_into_tensor.default, (dense, world, group)), node)
+    with graph.inserting_after(gather):
+        wait = _annotated(graph.call_function(_ops.wait_tensor.default, (gather,)), node)
+    with graph.inserting_after(wait):
+        total = _annotated(graph.call_function(ranked_sum, (wait, world)), node)
     for user in users:
-        user.replace_input_with(node, wait)
+        user.replace_input_with(node, total)
     return wait
+
+
+def ranked_sum(gathered: torch.Tensor, world: int) -> torch.Tensor:
+    """[W * B, ...] (rank r's part in rows r * B .. (r + 1) * B - 1) -> [B, ...]: part 0 + part 1 + ...,
+    added in rank order, element by element."""
+    parts = gathered.chunk(world)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def sum_gathers(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The all-gathers of the sharded step's sums over ranks (those `ranked_sum` reads), in graph order."""
+    sums = {n.args[0].args[0] for n in graph.nodes if n.op == "call_function" and n.target is ranked_sum}
+    return [n for n in collective_nodes(graph, _ops.all_gather_into_tensor.default) if n in sums]
 
 
 def _all_gather_after(graph: torch.fx.Graph, node: torch.fx.Node, world: int, group: str) -> None:
@@ -226,7 +249,7 @@ def _delay_laddered_waits(graph: torch.fx.Graph, num_layers: int, waits: dict[to
         if info(next_wait).layer not in laddered:
             continue  # the next sub-layer reads this output: nothing to overlap with
         add, upstream = next((a, up) for a in residual_adds(graph, info(wait).layer) if wait in (up := _ancestors(a)))
-        issue = next_wait.args[0]  # the next sub-layer's all_reduce
+        issue = next_wait.args[0]  # the next sub-layer's all-reduce (its gather)
         between = _descendants(wait) & upstream  # the wait, the add and the nodes from one to the other
         chain = [n for n in graph.nodes if n in between]
         anchor = issue

@@ -157,15 +157,39 @@ def draft_then_resume(gm, ids: torch.Tensor):
     return draft_logits, exit_hidden, drafted, (k_cache, v_cache)
 
 
+_COUNTERS: dict[int, "RowCounter"] = {}  # id(weight) -> its counter
+
+
 class RowCounter:
-    """Counts the token rows a module sees (a forward hook)."""
+    """Counts the token rows a linear layer sees: through its module's forward (a hook), or through the
+    kernel set's linear on its weight (backends.kernels.linear) in programs compiled under the
+    `counted_linears` fixture."""
 
     def __init__(self, module):
         self.rows = 0
         module.register_forward_hook(self)
+        _COUNTERS[id(module.weight)] = self
 
     def __call__(self, module, args, output):
         self.rows += args[0].shape[-2]
+
+
+@pytest.fixture
+def counted_linears(monkeypatch):
+    """Programs compiled inside the test count their linears' rows for the RowCounters of the weights."""
+    from specpass.backends.kernels import linear
+
+    real = linear.rows_linear
+
+    def counting_rows_linear(x, weight, bias):
+        counter = _COUNTERS.get(id(weight))
+        if counter is not None:
+            counter.rows += x.shape[-2]
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(linear, "rows_linear", counting_rows_linear)
+    yield
+    _COUNTERS.clear()
 
 
 def self_draft_taus_equal_to_hf_greedy(model, options: dict) -> list[float]:
@@ -302,3 +326,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def recorded_logits(program):
+    """Inside the block, `program` records, per sequence of each generate call (rows in prompt order), the
+    logits [V] of every token it commits, prompt and emitted tokens in order: the logits each next token
+    was chosen from. Yields the list of lists (one per sequence of the last call)."""
+    records: list[list[torch.Tensor]] = []
+    live: list[int] = []
+    last: dict[str, torch.Tensor] = {}
+    forward, from_exit, commit, keep_rows = program.forward, program.forward_from_exit, program.commit, program.keep_rows
+
+    def recording(run):
+        def call(*args):
+            logits, hidden = run(*args)
+            last["logits"] = logits.detach().float().cpu()
+            return logits, hidden
+
+        return call
+
+    def committing(layout, paths):
+        if all(c == 0 for c in layout.committed):  # a new call's first forward
+            records[:] = [[] for _ in paths]
+            live[:] = range(len(paths))
+        for b, path in enumerate(paths):
+            records[live[b]].extend(last["logits"][b, list(path)])
+        return commit(layout, paths)
+
+    def keeping(keep, slots):
+        live[:] = [live[i] for i in keep]
+        return keep_rows(keep, slots)
+
+    program.forward, program.forward_from_exit = recording(forward), recording(from_exit)
+    program.commit, program.keep_rows = committing, keeping
+    try:
+        yield records
+    finally:
+        del program.forward, program.forward_from_exit, program.commit, program.keep_rows

@@ -87,7 +87,7 @@ def test_self_draft_greedy_equals_hf_greedy(arch):
     assert max(self_draft_taus_equal_to_hf_greedy(model, options)) > 1.5
 
 
-def test_layers_below_the_exit_run_once_per_drafted_token_and_never_in_verification():
+def test_layers_below_the_exit_run_once_per_drafted_token_and_never_in_verification(counted_linears):
     model = _peaked("llama")
     program = specpass.compile_program(model, specpass.CompileOptions(
         pipeline=EXIT, drafter=SelfDraft(4), cache_size=128, lowering="eager", budget=5))  # fmt: skip

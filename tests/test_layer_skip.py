@@ -102,7 +102,7 @@ def test_layer_skip_self_draft_greedy_equals_hf_greedy(arch):
     assert max(self_draft_taus_equal_to_hf_greedy(model, options)) > 1.5
 
 
-def test_layers_below_the_first_skipped_run_once_per_drafted_token():
+def test_layers_below_the_first_skipped_run_once_per_drafted_token(counted_linears):
     model = _deep_tiny(seed=2, peaked=True)
     program = specpass.compile_program(model, specpass.CompileOptions(
         pipeline=specpass.Pipeline(TreeAttention(16), LayerSkip((2,))), drafter=SelfDraft(4), cache_size=128,

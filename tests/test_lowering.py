@@ -1,4 +1,7 @@
-"""CPU lowerings: the oneDNN lowering computes the eager step's function on packed weights."""
+"""CPU lowerings: each is one function on the CPU's kernel set (backends.kernels); the oneDNN lowering
+computes the eager step's function on packed weights."""
+
+import operator
 
 import pytest
 import torch
@@ -6,11 +9,12 @@ from conftest import needs_cxx, needs_onednn, tiny_model
 from torch import nn
 
 import specpass
+from specpass.backends.kernels.attention import ordered_attention
+from specpass.backends.kernels.kernel_set import use_kernels
+from specpass.backends.kernels.linear import rows_linear
 from specpass.backends.lowering import onednn
 from specpass.backends.lowering.buckets import pad_step
-from specpass.backends.runtime.cost import CostCurve
 from specpass.backends.lowering.registry import lower, resolve_lowering
-from specpass.backends.lowering.per_size import FastestPerSize
 from specpass.drafters import DraftTree
 from specpass.ir import SlotLayout, capture, info
 
@@ -44,20 +48,27 @@ def test_onednn_step_equals_eager_step(arch):
 
 
 @needs_onednn
-def test_onednn_graph_replaces_every_linear_and_keeps_annotations():
+def test_the_kernel_set_replaces_every_linear_and_attention_and_keeps_annotations():
     model, gm = _tree_step("qwen2")  # qwen2 has q/k/v biases
     before = gm.graph.python_code("self").src
-    lowered = onednn.pack_linears(gm)
+    lowered = use_kernels(gm, packed={})
     assert gm.graph.python_code("self").src == before  # the source graph is untouched
     modules = [n for n in lowered.graph.nodes if n.op == "call_module"]
     assert not any(isinstance(lowered.get_submodule(n.target), nn.Linear) for n in modules)
-    linears = [n for n in lowered.graph.nodes if n.target is torch.ops.mkldnn._linear_pointwise]
+    linears = [n for n in lowered.graph.nodes if n.target is rows_linear]
     layers = model.config.num_hidden_layers
     assert len(linears) == 7 * layers + 1  # q, k, v, o, gate, up, down per layer, and the LM head
     roles = {info(n).role.value for n in linears}
     assert roles == {"q", "k", "v", "o", "mlp", "lm_head"}
     assert sum(n.args[2] is not None for n in linears) == 3 * layers  # the q/k/v biases are kept
+    attention = [n for n in lowered.graph.nodes if n.target is ordered_attention]
+    assert len(attention) == layers and {info(n).role.value for n in attention} == {"attention"}
+    assert not any(n.target is torch.nn.functional.scaled_dot_product_attention for n in lowered.graph.nodes)
+    assert all(n.args[1].target is not operator.getitem for n in attention)  # the cache rows, not a sliced copy
     assert lowered.k_cache is gm.k_cache  # the KV cache is shared, not copied
+    unpacked = use_kernels(gm)  # the eager lowering's: the weights as they are
+    assert all(n.args[1].op == "get_attr" and n.args[1].target.endswith(".weight")
+               for n in unpacked.graph.nodes if n.target is rows_linear)  # fmt: skip
 
 
 @needs_onednn
@@ -70,12 +81,12 @@ def test_programs_of_one_model_share_its_packed_weights_until_a_weight_changes()
     def packed(gm) -> dict[str, torch.Tensor]:  # oneDNN tensors have no storage pointer: compared by identity
         return {name: b for name, b in gm.named_buffers() if name.startswith("packed_")}
 
-    first, second = (packed(onednn.pack_linears(step())) for _ in range(2))
+    first, second = (packed(use_kernels(step(), packed={})) for _ in range(2))
     assert len(first) == 7 * model.config.num_hidden_layers + 1
     assert all(second[name] is weight for name, weight in first.items())  # packed once, shared
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)  # changed in place: its version moves, so it is packed again
-    lowered = onednn.pack_linears(step())
+    lowered = use_kernels(step(), packed={})
     assert [name for name, w in packed(lowered).items() if w is not first[name]] == [f"packed_{len(first) - 1}"]
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(0))
     inputs = SlotLayout.chain(0, 5).step_inputs(ids)
@@ -84,53 +95,17 @@ def test_programs_of_one_model_share_its_packed_weights_until_a_weight_changes()
 
 
 @needs_onednn
-def test_auto_lowering_runs_each_tree_size_on_the_kernel_measured_faster():
-    _, gm = _tree_step("llama")
-    step, _, _ = lower(gm, "auto", torch.device("cpu"), 16, 128)
-    assert isinstance(step, FastestPerSize) and step.kinds == ("eager", "onednn")
-    assert step.kind_for(1) == step.kind_for(30) == "onednn"  # nothing measured yet: the default
-    # As on an AMX Xeon: eager cheaper for small T, oneDNN from T = 16 (prefill of 30 tokens on oneDNN).
-    envelope = step.choose({"eager": CostCurve((1, 8, 16), (1.0, 1.5, 3.0)),
-                            "onednn": CostCurve((1, 8, 16), (1.2, 1.6, 2.0))})  # fmt: skip
-    assert envelope == CostCurve((1, 8, 16), (1.0, 1.5, 2.0))
-    assert [step.kind_for(t) for t in (1, 5, 8, 16, 30)] == ["eager", "eager", "eager", "onednn", "onednn"]
-    got = _run_prefix_and_tree(step)
-
-    # The same calls made by hand: the prefill on the oneDNN step, the 5-node tree on the eager step.
-    gm.k_cache.zero_()
-    gm.v_cache.zero_()
-    by_hand = {"eager": step.steps["eager"], "onednn": step.steps["onednn"]}
-    calls = []
-
-    def routed(input_ids, layout):
-        kind = "onednn" if layout.size == 30 else "eager"
-        calls.append(kind)
-        return by_hand[kind](input_ids, layout)
-
-    assert torch.equal(got, _run_prefix_and_tree(routed)) and calls == ["onednn", "eager"]
-    with step.pinned("onednn"):
-        assert step.kind_for(1) == "onednn"
-    assert step.kind_for(1) == "eager"
-
-
-@needs_onednn
-def test_program_measures_both_cpu_lowerings_and_keeps_the_envelope():
+def test_a_program_runs_one_lowering_and_reports_its_kernels_and_the_check():
     model = tiny_model()
     program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(2))})
-    run = program.step.run
-    curve = program.cost_curve
-    assert set(run.curves) == {"eager", "onednn"}
-    assert curve.sizes == (1, 2)  # the program's tree sizes
-    for c in run.curves.values():  # the lowerings' curves go past them, for the prefill's choice
-        assert c.sizes == (1, 2, 4, 16, 64)
-    for i in range(len(curve.sizes)):
-        assert curve.seconds[i] == min(c.seconds[i] for c in run.curves.values())
+    assert program.step.run.kinds == ("onednn",)
+    report = str(program.report)
+    assert "lowering onednn (cpu: ordered attention, oneDNN rows linear): one function, bit for bit on" in report
+    assert program.report.invariance.passed and program.report.invariance.compared > 40
     ids = torch.tensor([[3, 5, 7, 9]])
     out = specpass.generate(program, ids, 6).sequences
     reference = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, reference)
-
-
 
 
 @needs_cxx
@@ -161,14 +136,14 @@ def test_speculative_greedy_with_the_inductor_lowering_equals_hf_greedy():
 
 def test_auto_lowering_and_its_refusals():
     cpu = torch.device("cpu")
-    expected = ("eager", "onednn") if onednn.available(cpu, torch.float32) else ("eager",)
-    assert resolve_lowering("auto", cpu, torch.float32) == expected
-    assert resolve_lowering("auto", cpu, torch.bfloat16) == ("eager",)
-    assert resolve_lowering("onednn", cpu, torch.float32) == ("onednn",)
-    assert resolve_lowering("auto", torch.device("cuda"), torch.bfloat16) == ("inductor",)
-    model = tiny_model().to(torch.bfloat16)
+    assert resolve_lowering("auto", cpu, torch.float32) == ("onednn" if onednn.available(cpu, torch.float32) else "eager")
+    assert resolve_lowering("auto", cpu, torch.bfloat16) == ("onednn" if onednn.available(cpu, torch.bfloat16) else "eager")
+    assert resolve_lowering("auto", cpu, torch.float16) == "eager"
+    assert resolve_lowering("onednn", cpu, torch.float32) == "onednn"
+    assert resolve_lowering("auto", torch.device("cuda"), torch.bfloat16) == "inductor"
+    model = tiny_model().to(torch.float16)
     gm = capture(model, cache_size=64)
-    with pytest.raises(specpass.InvalidParameterError, match="'onednn' needs float32"):
+    with pytest.raises(specpass.InvalidParameterError, match="'onednn' needs float32 or bfloat16"):
         lower(gm, "onednn", cpu, 8, 64)
     with pytest.raises(specpass.InvalidParameterError, match="needs the model on a CUDA device"):
         lower(gm, "cudagraphs", cpu, 8, 64)

@@ -20,7 +20,7 @@ from specpass.errors import PassMismatchError
 from specpass.ir import capture
 from specpass.ir.roles import info
 from specpass.rewrites import LadderResidual, TensorParallel, TreeAttention
-from specpass.rewrites.tensor_parallel import collective_nodes
+from specpass.rewrites.tensor_parallel import collective_nodes, sum_gathers
 
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
 _ops = torch.ops._c10d_functional
@@ -112,9 +112,10 @@ def test_a_sharded_step_has_two_all_reduces_a_layer_and_laddered_waits_come_afte
     for ladder, laddered in ((LadderResidual(), set()), (LadderResidual((1,)), {1})):
         pipeline = specpass.Pipeline(TreeAttention(8), ladder, TensorParallel())
         gm, report = pipeline.run(capture(model, cache_size=64))
-        reduces = collective_nodes(gm.graph, _ops.all_reduce.default)
+        reduces = sum_gathers(gm.graph)  # each an all-gather, its wait and the sum in rank order
         assert [info(r).layer for r in reduces] == [0, 0, 1, 1]  # attention and MLP of each layer
-        assert len(collective_nodes(gm.graph, _ops.all_gather_into_tensor.default)) == 1
+        assert not collective_nodes(gm.graph, _ops.all_reduce.default)  # gloo's ring sums in an order set by the size
+        assert len(collective_nodes(gm.graph, _ops.all_gather_into_tensor.default)) == 5  # and the logits
         order = _order(gm.graph)
         for reduce, following in zip(reduces, reduces[1:]):
             wait = next(iter(reduce.users))
@@ -123,7 +124,7 @@ def test_a_sharded_step_has_two_all_reduces_a_layer_and_laddered_waits_come_afte
             # a wait moves past the next sub-layer's compute and all-reduce iff that sub-layer is laddered
             assert delayed == (info(following).layer in laddered)
             assert order[next_compute] < order[following]
-        assert "rank 0 of 1: 4 all-reduces" in str(report)
+        assert "rank 0 of 1: 4 all-reduces (gathered, summed in rank order)" in str(report)
         # the sharded step still computes the same function (one shard: the whole model)
         reference, _ = specpass.Pipeline(TreeAttention(8), ladder).run(capture(model, cache_size=64))
         ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -18,10 +18,12 @@ tensor but the caches (weights are baked into the package), the torch version an
 instruction-set extensions. A C++ compiler is needed only to compile a package, not to load one.
 
 Invariants. The compiled step computes the FX step's function on the same cache buffers; outputs differ
-from the op-by-op step's by float rounding only. The exported range stops short of the full cache
-(S <= cache slots - 1) and starts at S = 2 (export specialises sizes 0 and 1): a step outside it runs op
-by op. The package holds a copy of the weights (the default model's gguf step: about 300 MB), mapped
-into memory when loaded; the KEPT_PACKAGES most recently used packages of a lowering stay on disk.
+from the op-by-op step's by float rounding only. Every call runs the package, so a program on it is one
+function: the exported range starts at S = 2 (export specialises sizes 0 and 1; a one-slot step runs at
+S = 2, its second slot hidden by the mask) and stops short of the full cache (S <= cache slots - 1: the
+program's cache is one slot shorter, `max_attended`). The package holds a copy of the weights (the
+default model's gguf step: about 300 MB), mapped into memory when loaded; the KEPT_PACKAGES most
+recently used packages of a lowering stay on disk.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch.fx
 from torch import nn
 
 from specpass.backends.lowering.eager import EagerStep
+from specpass.errors import InvalidParameterError
 from specpass.backends.lowering.inductor import dense_row_major, inplace_cache_writes, require_cpp_compiler
 from specpass.ir.layout import SlotLayout
 from specpass.user_cache import cache_dir
@@ -60,13 +63,21 @@ class AotCompiledStep(EagerStep):
         self._compiled = None
         self._lock = threading.Lock()
 
+    @property
+    def max_attended(self) -> int:
+        """The longest attended length the package runs (the export's range, module docstring): the
+        program keeps every step within it, so no step runs another function op by op."""
+        return self.slots - 1
+
     @torch.no_grad()
     def run_graph(self, inputs: dict):
         kv_len = inputs["kv_len"]
-        if not 2 <= kv_len < self.slots:
-            return self.gm(**{name: inputs[name] for name in self.input_names})
+        if kv_len > self.max_attended:
+            raise InvalidParameterError(f"lowering {self.kind!r} attends over at most {self.max_attended} slots, "
+                                        f"asked {kv_len}")  # fmt: skip
         compiled = self._compiled or self._build()
-        args = [self._lengths[:kv_len] if name == "kv_len" else dense_row_major(inputs[name])
+        attended = max(kv_len, 2)  # the export starts at 2; a slot past the step's own is hidden by the mask
+        args = [self._lengths[:attended] if name == "kv_len" else dense_row_major(inputs[name])
                 for name in self.input_names]  # fmt: skip
         return tuple(compiled(*args))
 

@@ -19,6 +19,7 @@ class EagerStep:
 
     min_tokens = 1  # the fewest tokens a replayed bucket should hold (graph-replay lowerings pad up to it)
     min_rows = 1  # likewise the fewest rows, in a program whose cache holds several
+    max_attended: int | None = None  # the longest attended length the step runs (None: the whole cache)
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str = "eager"):
         self.gm = gm

@@ -1,11 +1,15 @@
 """Lowering of a rewritten decode step to something callable, behind one contract: a `Step`, built by a
 named `Lowering` of the `LOWERINGS` registry, which also states what the lowering can do (the devices it
 runs on, batches of rows, CUDA-graph replay). Today: eager FX, oneDNN (CPU), GGUF kernels (CPU, op by op or compiled whole),
-TorchInductor (replayed in CUDA graphs on CUDA) and CUDA graphs of the FX step; `auto` picks per device,
-and on a CPU runs several, each tree size on the one measured fastest (backends.lowering.per_size).
+TorchInductor (replayed in CUDA graphs on CUDA) and CUDA graphs of the FX step; `auto` picks one per
+device and dtype.
+
+A lowering is one function: every call, whatever its size, runs the same kernels, those of the device's
+kernel set (backends.kernels) where it has one, so a token's outputs do not depend on what else the
+call holds (checked when a program is built, backends.runtime.invariance).
 
 Adding a lowering is one `Lowering` entry here: CompileOptions' list of names, the program's batch
-check and `auto`'s candidates are all read from the registry."""
+check and `auto`'s choice are all read from the registry."""
 
 from __future__ import annotations
 
@@ -16,12 +20,12 @@ from typing import Protocol
 import torch
 import torch.fx
 
+from specpass.backends.kernels.kernel_set import use_kernels
 from specpass.backends.lowering import onednn
 from specpass.backends.lowering.draft_buckets import CudaGraphDraft
 from specpass.backends.lowering.eager import EagerStep
 from specpass.backends.lowering.fuse_projections import fuse_projections
 from specpass.backends.lowering.gguf import gguf_planes, pack_gguf_linears
-from specpass.backends.lowering.per_size import FastestPerSize
 from specpass.errors import InvalidParameterError
 from specpass.ir.draft import draft_graph, draft_spec, resume_graph
 from specpass.ir.layout import RowsLayout
@@ -32,7 +36,7 @@ class Step(Protocol):
     rows 0 .. B-1 and returns the graph's outputs (logits [B, T, V], hidden [B, T, H], ...);
     `run_graph(inputs)` takes the graph's inputs by name."""
 
-    kinds: tuple[str, ...]  # the lowerings it runs (several: FastestPerSize)
+    kinds: tuple[str, ...]  # the lowering it runs
     input_names: list[str]
     device: torch.device
 
@@ -44,12 +48,13 @@ class Step(Protocol):
 @dataclass(frozen=True)
 class BuildContext:
     """What a builder gets beside the rewritten graph: where it runs and the buckets it may replay, and
-    the packed weights shared by every graph lowered for one step (oneDNN matrices, GGUF planes)."""
+    the packed weights shared by every graph lowered for one step (oneDNN matrices: None where the
+    linears read their weights as they are; GGUF planes)."""
 
     device: torch.device
     max_nodes: int
     cache_size: int
-    packed: dict
+    packed: dict | None
     planes: dict
 
 
@@ -66,32 +71,31 @@ class Lowering:
 
 
 def _eager(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
-    return EagerStep(gm)
+    return EagerStep(use_kernels(gm))
 
 
 def _onednn(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     if not onednn.available(ctx.device, gm.k_cache.dtype):
         raise InvalidParameterError(
-            f"lowering 'onednn' needs float32 on a CPU with oneDNN; the model is {gm.k_cache.dtype} on {ctx.device}"
+            f"lowering 'onednn' needs float32 or bfloat16 on a CPU with oneDNN; the model is {gm.k_cache.dtype} "
+            f"on {ctx.device}"
         )
-    return EagerStep(onednn.pack_linears(fuse_projections(gm), ctx.packed), kind="onednn")
+    return EagerStep(use_kernels(fuse_projections(gm), ctx.packed), kind="onednn")
 
 
 def _gguf(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
-    graph = pack_gguf_linears(gm, ctx.planes)  # the linears without GGUF blocks run on oneDNN where it is available
-    if onednn.available(ctx.device, gm.k_cache.dtype):
-        graph = onednn.pack_linears(graph, ctx.packed)
-    return EagerStep(graph, kind="gguf")
+    """The linears with GGUF blocks on the int4 kernel at every size, the others on oneDNN's packed weights."""
+    return EagerStep(use_kernels(pack_gguf_linears(gm, ctx.planes), ctx.packed), kind="gguf")
 
 
 def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     """The gguf step compiled whole, ahead of time (backends.lowering.aot_compiled): the casts, norms,
     rotary, residual adds and cache writes around the int4 GEMMs fused, no Python per op, one package on
-    disk for every tree size. Linears without GGUF blocks are compiled too (not on oneDNN's packed
-    weights, which inductor does not take)."""
+    disk for every tree size. Attention and the linears without GGUF blocks are the kernel set's, as
+    custom ops inside the package (on the weights as they are: inductor takes no oneDNN-packed ones)."""
     from specpass.backends.lowering.aot_compiled import AotCompiledStep
 
-    return AotCompiledStep(pack_gguf_linears(gm, ctx.planes), kind="gguf-compiled")
+    return AotCompiledStep(use_kernels(pack_gguf_linears(gm, ctx.planes), compiled=True), kind="gguf-compiled")
 
 
 def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
@@ -99,8 +103,8 @@ def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     graphs on CUDA."""
     from specpass.backends.lowering.inductor import InductorStep
 
-    if ctx.device.type != "cuda":
-        return InductorStep(fuse_projections(gm))
+    if ctx.device.type != "cuda":  # the CPU kernel set's attention and linears as custom ops inside
+        return InductorStep(use_kernels(fuse_projections(gm), compiled=True))
     from specpass.backends.lowering.cudagraphs import CudaGraphStep
 
     return CudaGraphStep(InductorStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
@@ -128,13 +132,9 @@ LOWERINGS: dict[str, Lowering] = {
 AUTO = "auto"
 
 
-def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """The lowerings to build, the last one the default. `auto` -> inductor on CUDA (the inductor-compiled
-    step replayed in CUDA graphs); on a CPU that has oneDNN (float32) both eager and onednn, each call
-    running the one measured faster at its tree size (backends.lowering.per_size); else eager. `gguf` -> the GGUF
-    kernels (backends.lowering.gguf) beside the float32 kernel, each tree size on the faster one;
-    `gguf-compiled` the same with the gguf step compiled whole ahead of time (about a minute and a half at
-    the first call on a 2-core CPU, then a package on disk that later processes load in seconds).
+def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The lowering to build. `auto` -> inductor on CUDA (the inductor-compiled step replayed in CUDA
+    graphs); on a CPU oneDNN where it runs the dtype (float32, bfloat16 where oneDNN has it), else eager.
 
     Why inductor on CUDA. A small model's GPU step is bound by kernel launches; inductor fuses each
     layer's pointwise work, so its replays beat the FX step's at every tree size measured (SmolLM2-135M
@@ -143,44 +143,39 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     model on a GPU (tests/test_gpu.py). Its price is the compile at the first call, 35-90 s per program
     (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step in CUDA graphs)
     starts in seconds."""
-    if lowering in LOWERINGS and LOWERINGS[lowering].reads_gguf:  # and float32 where a size runs faster on it
-        return ("onednn" if onednn.available(device, dtype) else "eager", lowering)
     if lowering != AUTO:
-        return (lowering,)
+        return lowering
     if device.type == "cuda":
-        return ("inductor",)
-    return ("eager", "onednn") if onednn.available(device, dtype) else ("eager",)
+        return "inductor"
+    return "onednn" if onednn.available(device, dtype) else "eager"
 
 
 def lower(
     gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int
 ) -> tuple[Step, EagerStep | CudaGraphDraft | None, EagerStep | None]:
     """(the lowered verify step, the lowered draft graph or None, the lowered resume graph or None).
-    The side graphs (ir.draft) run eagerly, on oneDNN-packed weights on a CPU (sharing the verify
-    step's packed weights: its LM head, and for a resume graph its layers), and on the GGUF planes
-    where the lowering is `gguf`. On a GPU, where the verify step replays CUDA graphs, a draft graph
-    called by rows replays too, bucketed by its named sizes (backends.lowering.draft_buckets)."""
-    kinds = resolve_lowering(lowering, device, gm.k_cache.dtype)
-    unknown = [kind for kind in kinds if kind not in LOWERINGS]
-    if unknown:
-        raise InvalidParameterError(f"unknown lowering {unknown[0]!r}; known: {AUTO}, {', '.join(LOWERINGS)}")
-    reads_gguf = any(LOWERINGS[kind].reads_gguf for kind in kinds)
-    ctx = BuildContext(device, max_nodes, cache_size, packed={}, planes=gguf_planes(gm) if reads_gguf else {})
-    steps = {kind: LOWERINGS[kind].build(gm, ctx) for kind in kinds}
-    draft, resume = (_lower_side(g, ctx) for g in (draft_graph(gm), resume_graph(gm)))
+    The side graphs (ir.draft) run eagerly on the same lowering's kernels: on oneDNN-packed weights
+    where the step's are (sharing them: its LM head, and for a resume graph its layers), and on the
+    GGUF planes where the lowering reads them. On a GPU, where the verify step replays CUDA graphs, a
+    draft graph called by rows replays too, bucketed by its named sizes (backends.lowering.draft_buckets)."""
+    kind = resolve_lowering(lowering, device, gm.k_cache.dtype)
+    if kind not in LOWERINGS:
+        raise InvalidParameterError(f"unknown lowering {kind!r}; known: {AUTO}, {', '.join(LOWERINGS)}")
+    reads_gguf = LOWERINGS[kind].reads_gguf
+    packs = kind in ("onednn", "gguf", "gguf-compiled") and onednn.available(device, gm.k_cache.dtype)
+    ctx = BuildContext(device, max_nodes, cache_size, packed={} if packs else None,
+                       planes=gguf_planes(gm) if reads_gguf else {})  # fmt: skip
+    step = LOWERINGS[kind].build(gm, ctx)
+    draft, resume = (_lower_side(g, ctx, kind) for g in (draft_graph(gm), resume_graph(gm)))
     spec = draft_spec(gm)
-    if draft is not None and device.type == "cuda" and not spec.shares_cache and any(LOWERINGS[k].replays for k in kinds):
+    if draft is not None and device.type == "cuda" and not spec.shares_cache and LOWERINGS[kind].replays:
         draft = CudaGraphDraft(draft, spec)  # a draft by rows replays too (a cache-sharing one runs as a step)
-    if len(steps) == 1:
-        return steps[kinds[0]], draft, resume
-    return FastestPerSize(steps, default=kinds[-1]), draft, resume
+    return step, draft, resume
 
 
-def _lower_side(graph: torch.fx.GraphModule | None, ctx: BuildContext) -> EagerStep | None:
+def _lower_side(graph: torch.fx.GraphModule | None, ctx: BuildContext, kind: str) -> EagerStep | None:
     if graph is None:
         return None
     if ctx.planes:
         graph = pack_gguf_linears(graph, ctx.planes)
-    if ctx.packed:
-        graph = onednn.pack_linears(graph, ctx.packed)
-    return EagerStep(graph, kind="gguf" if ctx.planes else "onednn" if ctx.packed else "eager")
+    return EagerStep(use_kernels(graph, ctx.packed), kind=kind)

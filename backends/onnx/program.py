@@ -38,6 +38,7 @@ from specpass.backends.onnx.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
 from specpass.backends.onnx.draft import OrtDraft
 from specpass.backends.onnx.eviction import OrtEviction
 from specpass.backends.onnx.ort import bind, ort_session, read_manifest, run_binding, run_bound
+from specpass.backends.runtime.invariance import check_invariance
 from specpass.backends.runtime.program import DecodeProgram
 from specpass.drafters import Drafter, default_drafter
 from specpass.errors import InvalidParameterError, SpecpassError
@@ -116,6 +117,14 @@ class OrtProgram(DecodeProgram):
         if policy is not None:
             self.use_hooks([OrtEviction(self, directory, m["eviction"], policy)])
         self._graphs: dict[tuple[int, int], tuple] = {}  # CUDA graphs: bucket -> (inputs, outputs, binding)
+        self.invariance = check_invariance(self)  # ORT's kernels are its own: measured and reported, not refused
+        self.new_sequence()
+
+    @property
+    def report(self) -> str:
+        """Whether the session computes one function (backends.runtime.invariance), as measured here."""
+        verdict = "one function" if self.invariance.passed else "not one function (speculation may change the output)"
+        return f"ONNX Runtime, {self.device.type} EP: {verdict}: {self.invariance}"
 
     def _zeros_cache(self, rows: int, slots: int) -> torch.Tensor:
         layers, heads, dim = self._kv_shape

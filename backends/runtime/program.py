@@ -18,30 +18,47 @@ from torch import nn
 
 from specpass.backends.runtime import cost
 from specpass.backends.compile import specpass_backend
+from specpass.backends.kernels.kernel_set import kernel_set
 from specpass.backends.runtime.guard import ProgramGuard
+from specpass.backends.runtime.invariance import InvarianceCheck, check_invariance
 from specpass.backends.runtime.kv import compact, keep_rows
 from specpass.backends.lowering.registry import LOWERINGS
 from specpass.backends.options import CompileOptions, check_budget
-from specpass.backends.lowering.per_size import FastestPerSize
 from specpass.drafters import Drafter
 from specpass.errors import InvalidParameterError
+from specpass.passes import PassReport
 from specpass.passes.runtime import RuntimeHook
 from specpass.ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
 from specpass.ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
 from specpass.ir.split import EXIT_HIDDEN
 
 COST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # interpolated between: a step's cost is near linear in T
-PREFILL_SIZES = (4, 16, 64)  # measured beside the tree sizes when a lowering is chosen per size
-# Each lowering's measured curve, per process, by (step_signature, sizes, kv_len): a step's cost is
-# a function of its graph and tensor shapes, not of its weights' values, so programs of the same model
-# (or of another with the same shapes) that differ only in drafter or budget measure once.
-_MEASURED_CURVES: dict[tuple, cost.CostCurve] = {}
+# Per process, by what they depend on (`step_signature`): a lowered step's kernels and shapes, not its
+# weights' values, so programs that differ only in drafter or budget check and measure once.
+_CHECKED: dict[tuple, InvarianceCheck] = {}  # the invariance check's result
+_MEASURED_CURVES: dict[tuple, cost.CostCurve] = {}  # by signature, sizes and attended length
 
 
-def step_signature(gm: torch.fx.GraphModule, device: torch.device) -> tuple:
-    """What a lowered step's cost depends on: its code, its tensors' names, shapes and dtypes, the device."""
+def step_signature(program: SpeculativeProgram) -> tuple:
+    """What a lowered step's invariance and cost depend on: its lowering, code, tensors' names, shapes and
+    dtypes, the rows its cache holds, the device and the thread count."""
+    gm = getattr(program.step.run, "gm", program.step.graph_module)  # the lowered graph: its kernels
     tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in [*gm.named_parameters(), *gm.named_buffers()])
-    return gm.code, tensors, str(device)
+    return program.step.run.kinds, gm.code, tensors, program.rows, str(program.device), torch.get_num_threads()
+
+
+@dataclass(frozen=True)
+class ProgramReport:
+    """What building a program did: the passes, then the lowering, its kernels and the invariance check."""
+
+    passes: PassReport
+    lowering: str
+    kernels: str
+    invariance: InvarianceCheck | None  # None: not checked (no invariant kernels on the device)
+
+    def __str__(self) -> str:
+        checked = "not checked (no invariant kernels here)" if self.invariance is None else str(self.invariance)
+        return f"{self.passes}\nlowering {self.lowering} ({self.kernels}): one function, {checked}"
 
 
 @dataclass(frozen=True)
@@ -235,11 +252,11 @@ class SpeculativeProgram(DecodeProgram):
         self.eos_token_ids = self.arch.eos_token_ids
         self.vocab_size = self.arch.vocab_size
         self.pad_token_id = self.arch.pad_token_id
-        self.report = self.step.report
         gm = self.step.graph_module
         self.k_cache, self.v_cache = gm.k_cache, gm.v_cache
         self.device = self.k_cache.device
-        self.cache_size = self.k_cache.shape[3]
+        slots = self.k_cache.shape[3]
+        self.cache_size = min(slots, getattr(self.step.run, "max_attended", None) or slots)  # what the step attends over
         self.pipeline = self.step.pipeline
         self.verifies_trees = self.pipeline.verifies_trees()
         self.max_nodes = self.step.max_nodes
@@ -250,6 +267,7 @@ class SpeculativeProgram(DecodeProgram):
         self.use_hooks([hook for p in self.pipeline if (hook := p.runtime_hook(gm)) is not None])
         if rows > 1:
             self._check_rows()
+        self.report = self._check_one_function()
         self.guard = ProgramGuard(model)  # and the weights it was built from, checked on every call
 
     def _check_rows(self) -> None:
@@ -264,6 +282,25 @@ class SpeculativeProgram(DecodeProgram):
         if reasons:
             raise InvalidParameterError(f"batch size {self.rows} (more than one sequence) does not run with "
                                         f"{'; '.join(reasons)}; generate those one sequence at a time")  # fmt: skip
+
+    def _check_one_function(self) -> ProgramReport:
+        """Run the invariance check (backends.runtime.invariance) where the device has invariant kernels;
+        refuse the program, with what differed, where it fails."""
+        lowering = "/".join(self.step.run.kinds)
+        kernels = kernel_set(self.device, self.k_cache.dtype)
+        if kernels is None:
+            return ProgramReport(self.step.report, lowering, f"no invariant kernels on {self.device.type} yet", None)
+        key = step_signature(self)
+        check = _CHECKED.get(key)
+        if check is None:
+            check = _CHECKED[key] = check_invariance(self)
+            self.new_sequence()
+        if not check.passed:
+            raise InvalidParameterError(
+                f"lowering {lowering!r} does not compute one function on this machine (a token's logits depend on "
+                f"what else its step holds), so speculation would change the output: {check}"
+            )
+        return ProgramReport(self.step.report, lowering, kernels.name, check)
 
     def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_rows(len(layout.committed))
@@ -303,28 +340,17 @@ class SpeculativeProgram(DecodeProgram):
             draft.k_cache, draft.v_cache = self.k_cache, self.v_cache
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
-        """With several lowerings (`auto` on a CPU): each one's curve, then each tree size runs on the
-        fastest, and the program's curve is their lower envelope. The lowerings' curves also cover a few
-        sizes past the largest tree, so the prefill (T = prompt length) runs on the kernel that wins at
-        large T."""
-        run = self.step.run
-        if any(hook.fixed_measurement for hook in self.hooks):  # e.g. every rank alike, then rank 0's timings
-            curve = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
-            seconds = curve.seconds
-            for hook in self.hooks:
-                seconds = hook.agreed_seconds(seconds)
-            return cost.CostCurve(curve.sizes, seconds)
-        if not isinstance(run, FastestPerSize):
-            return cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
-        measured = sorted(set(sizes) | {n for n in PREFILL_SIZES if n <= min(kv_len, self.max_step or kv_len)})
-        curves = {}
-        for kind in run.kinds:
-            key = (step_signature(run.steps[kind].gm, self.device), tuple(measured), kv_len)
+        """The step's curve; with hooks that fix the measurement (every rank alike), the agreed one."""
+        if not any(hook.fixed_measurement for hook in self.hooks):
+            key = (step_signature(self), tuple(sizes), kv_len)
             if key not in _MEASURED_CURVES:
-                with run.pinned(kind):
-                    _MEASURED_CURVES[key] = cost.measure(self.measured_forward, self.device, measured, kv_len=kv_len)
-            curves[kind] = _MEASURED_CURVES[key]
-        return run.choose(curves).subset(sizes)
+                _MEASURED_CURVES[key] = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
+            return _MEASURED_CURVES[key]
+        curve = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
+        seconds = curve.seconds
+        for hook in self.hooks:
+            seconds = hook.agreed_seconds(seconds)
+        return cost.CostCurve(curve.sizes, seconds)
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache, self.v_cache

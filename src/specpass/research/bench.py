@@ -336,13 +336,11 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
 
 
 def _cost_curves(model, device: torch.device, skipped: dict) -> tuple[dict, dict]:
-    """The cost curve of each lowering, and which lowering `auto` runs at each tree size.
+    """The cost curve of each lowering, and which lowering `auto` runs (one for every tree size).
 
-    On a CPU `auto` measures eager and oneDNN and runs each size on the faster (backends.lowering.per_size):
-    its curve is their lower envelope. On a GPU: eager, the FX step in CUDA graphs, and the inductor step
-    in CUDA graphs (what `auto` runs there)."""
+    On a CPU: `auto` (oneDNN). On a GPU: eager, the FX step in CUDA graphs, and the inductor step in
+    CUDA graphs (what `auto` runs there)."""
     import specpass
-    from specpass.backends.lowering.per_size import FastestPerSize
 
     measured, kernels = {}, {}
     for lowering in ("eager", "cudagraphs", "inductor") if device.type == "cuda" else ("auto",):
@@ -352,10 +350,8 @@ def _cost_curves(model, device: torch.device, skipped: dict) -> tuple[dict, dict
         except specpass.SpecpassError as exc:
             skipped[f"cost_curve_{lowering}"] = str(exc)
             continue
-        run = program.step.run
-        if isinstance(run, FastestPerSize):
-            measured.update(run.curves)
-            kernels = {str(n): run.kind_for(n) for n in curve.sizes}
+        if lowering == "auto":
+            kernels = {str(n): "/".join(program.step.run.kinds) for n in curve.sizes}
         measured[lowering] = curve
     curves = {
         name: {"tree_size": list(c.sizes), "seconds": [round(s, 5) for s in c.seconds],

@@ -1,0 +1,140 @@
+"""Which invariant kernels a device and dtype have, and the pass that puts them into a lowered step.
+
+Each lowering runs the kernel set of its device on every call, whatever the step's size: a lowering
+is one function, and no choice between kernels that give other bits is ever made per call (the
+lossless contract, docs/design.md). Today's set is the CPU's: attention in logical key order
+(backends.kernels.attention, numba, every dtype) and oneDNN's linear with at least two rows
+(backends.kernels.linear, float32 and bfloat16). Other devices have none yet: their steps keep the
+captured ops, and the build-time check (backends.runtime.invariance) says what that costs. A CUDA
+set joins by adding its entry to `kernel_set` and, where it differs, its own replacement functions.
+
+Compiled lowerings (inductor, AOTInductor) see the kernels as custom ops (`specpass::ordered_attention`,
+`specpass::rows_linear`), opaque to the compiler, so generated code cannot reorder their reductions.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch import nn
+
+from specpass.backends.kernels import attention, linear
+from specpass.ir import copy_step, query, replace_node
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The invariant kernels of one device and dtype."""
+
+    name: str  # in program reports
+    attention: bool  # attention by backends.kernels.attention
+    linear: bool  # float linears by backends.kernels.linear
+
+
+def kernel_set(device: torch.device, dtype: torch.dtype) -> KernelSet | None:
+    """The kernel set for a step on `device` in `dtype`, or None where there is none (not a CPU)."""
+    if device.type != "cpu":
+        return None
+    has_linear = linear.available(device, dtype)
+    return KernelSet("cpu: ordered attention" + (", oneDNN rows linear" if has_linear else ""), True, has_linear)
+
+
+def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None = None,
+                compiled: bool = False) -> torch.fx.GraphModule:  # fmt: skip
+    """A copy of `gm` whose attention ops and float `nn.Linear`s run the kernel set of gm's device and
+    dtype (gm itself where there is none). packed: id(weight) -> oneDNN-packed weight, shared by the
+    graphs lowered together (backends.lowering.onednn.packed_weight; None: linears read their weights as
+    they are). compiled: call the kernels as custom ops (for inductor and AOTInductor)."""
+    tensor = getattr(gm, "k_cache", None)
+    if tensor is None:  # a draft graph without a cache of its own: its weights tell
+        tensor = next((t for t in (*gm.parameters(), *gm.buffers()) if t.is_floating_point()), None)
+    kernels = kernel_set(tensor.device, tensor.dtype) if tensor is not None else None
+    if kernels is None:
+        return gm
+    lowered = copy_step(gm)
+    graph = lowered.graph
+    attend, rows_linear = (compiled_ops() if compiled else (attention.ordered_attention, linear.rows_linear))
+    for node in query.attention_ops(graph):
+        q, keys, values = node.args[:3]
+        mask = node.kwargs["attn_mask"]
+        softcap = node.kwargs.get("softcap")
+        with graph.inserting_before(node):
+            new = graph.call_function(attend, (q, _cache_rows(keys), _cache_rows(values), mask,
+                                               float(node.kwargs["scale"]), float(softcap or 0.0)))  # fmt: skip
+        replace_node(node, new, (new,))
+    if kernels.linear:
+        _swap_linears(lowered, rows_linear, packed)
+    graph.eliminate_dead_code()
+    graph.lint()
+    lowered.recompile()
+    return lowered
+
+
+def _cache_rows(kv: torch.fx.Node) -> torch.fx.Node:
+    """The written cache rows [B, KV, S_max, D] under a step's `rows[:, :, :kv_len]` (the kernel reads the
+    slots its mask covers, without a copy of the slice); other inputs as they are."""
+    if kv.op == "call_function" and kv.target is operator.getitem:
+        index = kv.args[1]
+        if (isinstance(index, tuple) and len(index) == 3 and all(isinstance(i, slice) for i in index)
+                and index[0] == slice(None) and index[1] == slice(None) and index[2].start is None
+                and index[2].step is None):  # fmt: skip
+            return kv.args[0]
+    return kv
+
+
+def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch.Tensor] | None) -> None:
+    """Each `call_module` of an `nn.Linear` whose weight the kernel takes becomes rows_linear(x, weight,
+    bias); packed weights become buffers of `gm` (one per weight)."""
+    from specpass.backends.lowering.onednn import packed_weight
+
+    graph = gm.graph
+    names: dict[int, str] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, nn.Linear) or not linear.available(module.weight.device, module.weight.dtype):
+            continue
+        with graph.inserting_before(node):
+            if packed is None:
+                weight = graph.get_attr(f"{node.target}.weight")
+            else:
+                key = id(module.weight)
+                if key not in packed:
+                    packed[key] = packed_weight(module.weight)
+                if key not in names:
+                    names[key] = f"packed_{len(names)}"
+                    gm.register_buffer(names[key], packed[key], persistent=False)
+                weight = graph.get_attr(names[key])
+            bias = graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
+            new = graph.call_function(rows_linear, (node.args[0], weight, bias))
+        replace_node(node, new, (weight, bias, new))
+
+
+@functools.cache
+def compiled_ops() -> tuple:
+    """(attention, linear) as custom ops `specpass::ordered_attention` and `specpass::rows_linear`,
+    registered at the first call (never at import)."""
+
+    @torch.library.custom_op("specpass::ordered_attention", mutates_args=())
+    def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float, softcap: float) -> torch.Tensor:  # fmt: skip
+        return attention.ordered_attention(q, keys, values, mask, scale, softcap)
+
+    @ordered_attention.register_fake
+    def _(q, keys, values, mask, scale, softcap):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op("specpass::rows_linear", mutates_args=())
+    def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear.rows_linear(x, weight, bias)
+
+    @rows_linear.register_fake
+    def _(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    return torch.ops.specpass.ordered_attention.default, torch.ops.specpass.rows_linear.default
