@@ -2,27 +2,31 @@
 
     python benchmarks/gguf_cpu.py [--prompts 15] [--max-new-tokens 128] [--out benchmarks/results]
 
-Rows (greedy, 128 new tokens, the benchmark's evaluation prompts: HumanEval[120:], raw, and chat
-summaries [0:], chat template; every row the same prompts, the same thread count):
+Rows (128 new tokens, the benchmark's evaluation prompts: HumanEval[120:], raw, and chat summaries [0:],
+chat template; every row the same prompts, the same thread count):
   hf_greedy                 transformers float32 greedy (the reference of every agreement count)
   specpass_float32          specpass's default (combined tree, cost budget, `auto` float32 lowering)
+  specpass_float32_one_token        the same lowering without speculation (budget 1)
+  specpass_bfloat16 / _one_token    the same two on the model loaded in bfloat16
   specpass_gguf             the same drafter and budget on lowering="gguf" (backends/lowering/gguf.py)
   specpass_gguf_one_token   lowering="gguf" without speculation (budget 1)
   specpass_gguf_compiled    the same drafter and budget on lowering="gguf-compiled" (the gguf step compiled
                             whole by inductor; compiled while the program's cost curve is measured, before timing)
   specpass_gguf_compiled_one_token   lowering="gguf-compiled" without speculation (budget 1)
+  *_sampled                 the two gguf lowerings and their one-token rows sampling (temperature 0.8,
+                            top-p 0.95, seed 7): speculative against one-node sampling
   llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty), in a
                             process of its own (benchmarks/llama_cpp_worker.py)
   llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens), the same process
+  llama_cpp_prompt_lookup_2 the same with 2 draft tokens (its docs' advice on CPUs)
 Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
 first token; HF: not measured), tau where known, outputs identical to HF float32 greedy, and at each
 first divergence how far below the float32 top logit the lower of the two tokens is, `near_tie` when
-within NEAR_TIE_LOGITS (the
-gguf lowering's rounding: backends/lowering/gguf.py). Each speculative gguf row is also compared with
-its lowering's one-token row (`identical_to_one_token`: speculation on a gguf lowering against that
-lowering's own one-token greedy; a divergence there, too, must be a near-tie of the float32 logits).
-Also the one-token step of each lowering (float32: eager, `auto`'s oneDNN, inductor compiled whole;
-the two gguf lowerings; milliseconds after 256 committed tokens, median) beside
+within NEAR_TIE_LOGITS (the gguf lowering's rounding: backends/lowering/gguf.py). Each speculative
+specpass row is also compared with its lowering's one-token row (`identical_to_one_token`: speculation
+against the same lowering's own one-token decoding, greedy or sampled: lossless by construction says
+every prompt). Also the one-token step of each lowering (float32: eager, `auto`'s oneDNN, inductor
+compiled whole; the two gguf lowerings; milliseconds after 256 committed tokens, median) beside
 llama.cpp's decode time per token (its own eval timing, prefill excluded), the CPU's model and flags,
 and llama.cpp's build (its system info). Writes gguf-cpu-<device>.json.
 """
@@ -45,8 +49,12 @@ from specpass.research.bench import CODE_OFFSET, evaluation_sets, run_identity, 
 from specpass.models import GGUF_FILE, default_model_dir
 
 
-# each speculative gguf row -> its lowering's one-token row
-ONE_TOKEN_OF = {"specpass_gguf": "specpass_gguf_one_token", "specpass_gguf_compiled": "specpass_gguf_compiled_one_token"}
+# each speculative row -> its lowering's one-token row
+ONE_TOKEN_OF = {name: f"{name}_one_token" for name in ("specpass_float32", "specpass_bfloat16", "specpass_gguf",
+                                                         "specpass_gguf_compiled")}  # fmt: skip
+ONE_TOKEN_OF |= {f"{name}_sampled": f"{name}_one_token_sampled" for name in ("specpass_gguf", "specpass_gguf_compiled")}
+SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+LLAMA_CPP_ROWS = {"llama_cpp": 0, "llama_cpp_prompt_lookup": 10, "llama_cpp_prompt_lookup_2": 2}  # row -> draft tokens
 
 
 class LlamaCppProcess:
@@ -59,18 +67,18 @@ class LlamaCppProcess:
         self.process = subprocess.Popen([sys.executable, worker, path, str(threads)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)  # fmt: skip
         self.info = json.loads(self.process.stdout.readline())  # {"ready", "system_info", "version"}
-        self.decode_ms: dict[bool, list[float]] = {False: [], True: []}  # per prompt: llama.cpp's own timing
+        self.decode_ms: dict[int, list[float]] = {k: [] for k in LLAMA_CPP_ROWS.values()}  # per prompt: its own timing
 
-    def ask(self, ids: list[int], max_new_tokens: int, eos: set[int], prompt_lookup: bool) -> dict:
-        request = {"ids": ids, "max_new_tokens": max_new_tokens, "eos": sorted(eos), "prompt_lookup": prompt_lookup}
+    def ask(self, ids: list[int], max_new_tokens: int, eos: set[int], draft_tokens: int) -> dict:
+        request = {"ids": ids, "max_new_tokens": max_new_tokens, "eos": sorted(eos), "draft_tokens": draft_tokens}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())
 
-    def runner(self, eos: set[int], prompt_lookup: bool):
+    def runner(self, eos: set[int], draft_tokens: int):
         def run(ids: torch.Tensor, max_new_tokens: int):
-            out = self.ask(ids[0].tolist(), max_new_tokens, eos, prompt_lookup)
-            self.decode_ms[prompt_lookup].append(out["decode_ms_per_token"])
+            out = self.ask(ids[0].tolist(), max_new_tokens, eos, draft_tokens)
+            self.decode_ms[draft_tokens].append(out["decode_ms_per_token"])
             sequence = torch.cat([ids, torch.tensor([out["new"]], dtype=ids.dtype)], dim=1)
             return sequence, len(out["new"]), None, out["seconds"], out["first_token_seconds"]
 
@@ -106,12 +114,12 @@ def cpu_flags() -> list[str]:
     return [f for f in wanted if f in flags]
 
 
-def _specpass_runner(program):
+def _specpass_runner(program, **sampling):
     if program.budget == "cost":
         program.cost_curve  # measured before timing
 
     def run(ids: torch.Tensor, max_new_tokens: int):
-        out = specpass.generate(program, ids, max_new_tokens)
+        out = specpass.generate(program, ids, max_new_tokens, **sampling)
         s = out.stats
         return out.sequences, s.new_tokens, s.target_forwards, s.seconds, s.prefill_seconds
 
@@ -149,18 +157,24 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
     model, tokenizer = specpass.load_default_model()
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])  # fmt: skip
+    bfloat16, _ = specpass.load_default_model(dtype=torch.bfloat16)
     programs = {
         "specpass_float32": specpass.compile_program(model),
+        "specpass_float32_one_token": specpass.compile_program(model, {"budget": 1}),
+        "specpass_bfloat16": specpass.compile_program(bfloat16),
+        "specpass_bfloat16_one_token": specpass.compile_program(bfloat16, {"budget": 1}),
         "specpass_gguf": specpass.compile_program(model, {"lowering": "gguf"}),
         "specpass_gguf_one_token": specpass.compile_program(model, {"lowering": "gguf", "budget": 1}),
         "specpass_gguf_compiled": specpass.compile_program(model, {"lowering": "gguf-compiled"}),
         "specpass_gguf_compiled_one_token": specpass.compile_program(model, {"lowering": "gguf-compiled", "budget": 1}),
     }
+    sampled = {f"{name}_sampled": programs[name] for name in ("specpass_gguf", "specpass_gguf_one_token",
+                                                             "specpass_gguf_compiled", "specpass_gguf_compiled_one_token")}  # fmt: skip
     runners = {
         "hf_greedy": _hf_runner(model),
         **{name: _specpass_runner(program) for name, program in programs.items()},
-        "llama_cpp": llama.runner(eos, prompt_lookup=False),
-        "llama_cpp_prompt_lookup": llama.runner(eos, prompt_lookup=True),
+        **{name: _specpass_runner(program, **SAMPLING) for name, program in sampled.items()},
+        **{name: llama.runner(eos, draft_tokens) for name, draft_tokens in LLAMA_CPP_ROWS.items()},
     }
     sets = {
         "code": [P.encode_code(tokenizer, p) for p in P.code_prompts(prompts_per_set, CODE_OFFSET)],
@@ -189,6 +203,8 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                     reference = sequence
                     row["identical"] += 1
                     continue
+                if name.endswith("_sampled"):  # compared with one-node sampling only (below)
+                    continue
                 divergence = _divergence_gap(model, sequence, reference)
                 if divergence is None:
                     row["identical"] += 1
@@ -209,7 +225,7 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                 "vs_llama_cpp": round(row["tokens"] / row["seconds"] / llama_rate, 3),
                 "prefill_share": None if row["prefill_seconds"] is None else round(row["prefill_seconds"] / row["seconds"], 3),
                 "tau": round(row["tokens"] / row["forwards"], 3) if row["forwards"] else None,
-                "identical_to_hf_float32_greedy": f"{row['identical']}/{len(prompt_ids)}",
+                "identical_to_hf_float32_greedy": None if name.endswith("_sampled") else f"{row['identical']}/{len(prompt_ids)}",
                 "divergences": row["divergences"],
             }
             for name, row in totals.items()
@@ -225,15 +241,16 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
                   f" ({ties} of {len(row['divergences'])} divergences near-ties)", flush=True)
         for name in ONE_TOKEN_OF:
             row = results[set_name][name]
-            print(f"{set_name:5s} {name} identical to its one-token greedy {row['identical_to_one_token']}, "
+            print(f"{set_name:5s} {name} identical to its one-token decoding {row['identical_to_one_token']}, "
                   f"divergences {row['divergences_from_one_token']}", flush=True)
     steps = {"eager": one_token_step_ms(specpass.compile_program(model, {"lowering": "eager", "budget": 1})),
              "auto (float32)": one_token_step_ms(programs["specpass_float32"]),
              "inductor (float32, compiled whole)": one_token_step_ms(
                  specpass.compile_program(model, {"lowering": "inductor", "budget": 1})),
+             "bfloat16 (auto)": one_token_step_ms(programs["specpass_bfloat16_one_token"]),
              "gguf": one_token_step_ms(programs["specpass_gguf_one_token"]),
              "gguf-compiled": one_token_step_ms(programs["specpass_gguf_compiled_one_token"])}  # fmt: skip
-    llama_decode = sorted(llama.decode_ms[False])
+    llama_decode = sorted(llama.decode_ms[0])
     steps["llama_cpp decode (its own eval timing, prefill excluded; median over prompts)"] = round(
         llama_decode[len(llama_decode) // 2], 2)
     llama.close()

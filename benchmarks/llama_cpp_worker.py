@@ -3,7 +3,8 @@ the cores, and it never runs inside the torch process (an 11-26 run that did so 
 
     python benchmarks/llama_cpp_worker.py GGUF_PATH THREADS
 
-Reads one JSON request a line on stdin: {"ids": [...], "max_new_tokens": N, "eos": [...], "prompt_lookup": bool};
+Reads one JSON request a line on stdin: {"ids": [...], "max_new_tokens": N, "eos": [...], "draft_tokens": K}
+(K = 0: plain decoding; else llama-cpp-python's prompt-lookup drafter proposing K tokens);
 writes one JSON line a request: {"new": [...], "seconds", "first_token_seconds", "decode_ms_per_token",
 "decoded_tokens"} where the last two are llama.cpp's own eval timing (llama_perf_context: decode
 evaluations only, prefill excluded). Greedy: temp 0, top_k 1, no repeat penalty. Imports no torch.
@@ -16,18 +17,21 @@ import sys
 import time
 
 
+DRAFT_TOKENS = (0, 10, 2)  # plain; prompt lookup as llama-cpp-python's default (10); and 2, as its docs advise on CPUs
+
+
 def _models(path: str, threads: int) -> dict:
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    def make(prompt_lookup: bool):
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if prompt_lookup else None
+    def make(draft_tokens: int):
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens) if draft_tokens else None
         # n_batch = n_ctx: with a drafter llama-cpp-python keeps logits for every evaluated token in n_batch
         # rows, and a prompt past n_batch tokens overflowed them (ValueError in Llama.eval)
         return Llama(model_path=path, n_ctx=4096, n_batch=4096, n_threads=threads, n_threads_batch=threads,
                      draft_model=draft, verbose=False, seed=0)  # fmt: skip
 
-    return {False: make(False), True: make(True)}
+    return {k: make(k) for k in DRAFT_TOKENS}
 
 
 def generate(llm, ids: list[int], max_new_tokens: int, eos: set[int]) -> dict:
@@ -58,7 +62,7 @@ def main() -> int:
                       "version": llama_cpp.__version__}), flush=True)  # fmt: skip
     for line in sys.stdin:
         request = json.loads(line)
-        llm = models[bool(request.get("prompt_lookup", False))]
+        llm = models[int(request.get("draft_tokens", 0))]
         result = generate(llm, request["ids"], request["max_new_tokens"], set(request["eos"]))
         print(json.dumps(result), flush=True)
     return 0

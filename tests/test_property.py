@@ -1,8 +1,10 @@
 """A property test: on random tiny models of every supported family (heads, KV heads, head size, layers,
 vocabulary, sliding windows, local/global layer patterns, rope scaling), random prompts (with and
-without repeats), random tree sizes, fixed budgets, drafters and batch rows, speculative greedy equals
-HF greedy token for token (each row: its prompt alone). The suite runs a few derandomized examples per
-family; `benchmarks/property.py` runs many more (SPECPASS_PROPERTY_EXAMPLES) and commits the count."""
+without repeats), random tree sizes, fixed budgets, drafters, batch rows, CPU lowerings (eager, oneDNN)
+and dtypes (float32, bfloat16), speculative greedy equals the same lowering's one-token greedy of each
+prompt alone token for token and logits bit for bit, and in float32 HF greedy token for token. The suite
+runs a few derandomized examples per family; `benchmarks/property.py` runs many more
+(SPECPASS_PROPERTY_EXAMPLES) and commits the count."""
 
 import json
 import os
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import transformers
-from conftest import TINY_ARCHS, TINY_CONFIGS, padded
+from conftest import TINY_ARCHS, TINY_CONFIGS, padded, recorded_logits
 
 import specpass
 from specpass.drafters import Combined, Drafter, DraftSession, PromptLookup, Suffix, TokenRecycling
@@ -87,6 +89,8 @@ class Case:
     drafter: str  # one of DRAFTERS
     lookahead: int  # the oracle's
     decoys: tuple[int, ...]  # the oracle's wrong tokens
+    lowering: str  # a CPU lowering with the invariant kernels
+    dtype: str  # "float32" or "bfloat16"
 
 
 def most_first(high: int, low: int):
@@ -155,7 +159,8 @@ def cases(draw, arch: str) -> Case:
                 prompts=tuple(draw(prompts(config["vocab_size"])) for _ in range(rows)),
                 new_tokens=draw(most_first(24, 1)), max_nodes=max_nodes, budget=budget,
                 drafter=draw(st.sampled_from(DRAFTERS)), lookahead=draw(most_first(8, 0)),
-                decoys=tuple(draw(st.sets(st.integers(3, config["vocab_size"] - 1), min_size=1, max_size=3))))  # fmt: skip
+                decoys=tuple(draw(st.sets(st.integers(3, config["vocab_size"] - 1), min_size=1, max_size=3))),
+                lowering=draw(st.sampled_from(["onednn", "eager"])), dtype=draw(st.sampled_from(["float32", "bfloat16"])))  # fmt: skip
 
 
 def build(case: Case) -> transformers.PreTrainedModel:
@@ -167,7 +172,7 @@ def build(case: Case) -> transformers.PreTrainedModel:
         for name, weight in model.named_parameters():
             if name.endswith("o_proj.weight"):  # random init leaves attention a small part of the residual stream
                 weight.mul_(case.context)
-    return model
+    return model.to(getattr(torch, case.dtype))
 
 
 def hf_greedy(model, prompt: tuple[int, ...], new_tokens: int) -> tuple[int, ...]:
@@ -185,16 +190,29 @@ def drafter_of(case: Case, references) -> Drafter:
 
 
 def check(case: Case) -> None:
-    """Speculative greedy (each row of a batch) equals HF greedy of the prompt alone."""
+    """Speculative greedy (each row of a batch) equals the lowering's one-token greedy of the prompt
+    alone, tokens and logits bit for bit; in float32 it equals HF greedy too."""
     model = build(case)
     references = [hf_greedy(model, prompt, case.new_tokens) for prompt in case.prompts]
     options = {"pipeline": specpass.Pipeline(TreeAttention(case.max_nodes)), "drafter": drafter_of(case, references),
-               "budget": case.budget, "cache_size": CACHE}  # fmt: skip
-    ids, mask = padded([torch.tensor(p) for p in case.prompts])
-    out = specpass.generate(model, ids, case.new_tokens, attention_mask=mask, eos_token_id=[], options=options)
-    rows = [out.sequences[0, ids.shape[1] :].tolist()] if len(case.prompts) == 1 else list(map(list, out.new_tokens))
-    for row, prompt, reference in zip(rows, case.prompts, references, strict=True):
-        assert tuple(row) == reference[len(prompt) :], case
+               "budget": case.budget, "cache_size": CACHE, "lowering": case.lowering}  # fmt: skip
+    rows, logits = decode(specpass.compile_program(model, options, rows=len(case.prompts)), case)
+    one_node = specpass.compile_program(model, options | {"budget": 1})
+    for row, row_logits, prompt, reference in zip(rows, logits, case.prompts, references, strict=True):
+        (alone,), (alone_logits,) = decode(one_node, case, [prompt])
+        assert row == alone and torch.equal(row_logits, alone_logits), case
+        if case.dtype == "float32":
+            assert tuple(row) == reference[len(prompt) :], case
+
+
+def decode(program, case: Case, prompts=None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each row's new tokens and committed logits [N, V] of `prompts` (default: the case's) in one call."""
+    prompts = case.prompts if prompts is None else prompts
+    ids, mask = padded([torch.tensor(p) for p in prompts])
+    with recorded_logits(program) as logits:
+        out = specpass.generate(program, ids, case.new_tokens, attention_mask=mask, eos_token_id=[])
+    rows = [out.sequences[0, ids.shape[1] :].tolist()] if len(prompts) == 1 else list(map(list, out.new_tokens))
+    return rows, [torch.stack(row) for row in logits]
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -207,6 +225,7 @@ def test_speculative_greedy_equals_hf_greedy_on_random_models(arch):
         if LOG:  # benchmarks/property.py counts the examples that passed
             with open(LOG, "a") as f:
                 f.write(json.dumps({"arch": case.arch, "drafter": case.drafter, "rows": len(case.prompts),
-                                    "max_nodes": case.max_nodes, "new_tokens": case.new_tokens}) + "\n")  # fmt: skip
+                                    "max_nodes": case.max_nodes, "new_tokens": case.new_tokens,
+                                    "lowering": case.lowering, "dtype": case.dtype}) + "\n")  # fmt: skip
 
     property_holds()
