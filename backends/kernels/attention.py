@@ -129,9 +129,10 @@ def _score_tile_of(queries, block, scores):
             scores[x, j] = acc[x, j]
 
 
-def _attend(q, keys, values, visible, scale, softcap, out):
+def _attend(q, keys, values, visible, scale, softcap, threads, out):
     """q [B, H, T, D] f32; keys / values [B, KV, S', D] f32 C-contiguous, S' >= S;
-    visible [B, 1, T, S] bool C-contiguous; out [B, H, T, D] f32. softcap <= 0: none.
+    visible [B, 1, T, S] bool C-contiguous; out [B, H, T, D] f32. softcap <= 0: none. threads: how many
+    run the parallel loops (it sizes the jobs).
 
     Two passes, each parallel over independent work: the scores of every query of a KV head by blocks
     of 64 keys, then each query's softmax and weighted sum of values."""
@@ -150,31 +151,33 @@ def _attend(q, keys, values, visible, scale, softcap, out):
                 last_seen[b, t] = s
                 break
     scores = np.empty((batch, kv_heads, padded, slots), np.float32)
-    for job in prange(batch * kv_heads * key_blocks):
-        b, kv, s0 = job // (kv_heads * key_blocks), (job // key_blocks) % kv_heads, (job % key_blocks) * KEY_BLOCK
-        width = min(KEY_BLOCK, slots - s0)  # the last block's missing keys are zeros, their scores unused
-        block = np.zeros((dim, KEY_BLOCK), np.float32)  # keys s0 .. s0 + 63, transposed
-        for j in range(width):
-            key = keys[b, kv, s0 + j]
+    spans = min(key_blocks, max(1, -(-4 * threads // (batch * kv_heads))))  # about 4 jobs a thread
+    per_span = -(-key_blocks // spans)
+    for job in prange(batch * kv_heads * spans):
+        b, kv, span = job // (kv_heads * spans), (job // spans) % kv_heads, job % spans
+        scaled = np.zeros((padded, dim), np.float32)
+        for i in range(n_queries):
+            row = q[b, kv * group + i % group, i // group]
             for d in range(dim):
-                block[d, j] = key[d]
-        scaled = np.zeros((QUERY_BLOCK, dim), np.float32)
+                scaled[i, d] = row[d] * scale
+        block = np.empty((dim, KEY_BLOCK), np.float32)  # keys s0 .. s0 + 63, transposed
         tile = np.empty((QUERY_BLOCK, KEY_BLOCK), np.float32)
-        for i0 in range(0, padded, QUERY_BLOCK):
-            reach = -1  # the tile's queries see no key of this block: its scores are never read (a prefill's future)
-            for x in range(min(QUERY_BLOCK, n_queries - i0)):
-                reach = max(reach, last_seen[b, (i0 + x) // group])
-            if reach < s0:
-                continue
-            for x in range(min(QUERY_BLOCK, n_queries - i0)):
-                i = i0 + x
-                row = q[b, kv * group + i % group, i // group]
+        for s0 in range(span * per_span * KEY_BLOCK, min(slots, (span + 1) * per_span * KEY_BLOCK), KEY_BLOCK):
+            width = min(KEY_BLOCK, slots - s0)  # past the last block's keys: stale columns, their scores unused
+            for j in range(width):
+                key = keys[b, kv, s0 + j]
                 for d in range(dim):
-                    scaled[x, d] = row[d] * scale
-            _score_tile_of(scaled, block, tile)
-            for x in range(QUERY_BLOCK):
-                for j in range(width):
-                    scores[b, kv, i0 + x, s0 + j] = tile[x, j]
+                    block[d, j] = key[d]
+            for i0 in range(0, padded, QUERY_BLOCK):
+                reach = -1  # the tile's queries see no key of this block: its scores are never read (a prefill's future)
+                for x in range(min(QUERY_BLOCK, n_queries - i0)):
+                    reach = max(reach, last_seen[b, (i0 + x) // group])
+                if reach < s0:
+                    continue
+                _score_tile_of(scaled[i0 : i0 + QUERY_BLOCK], block, tile)
+                for x in range(QUERY_BLOCK):
+                    for j in range(width):
+                        scores[b, kv, i0 + x, s0 + j] = tile[x, j]
     for job in prange(batch * kv_heads * tokens):  # a token's heads of one KV head see the same slots
         b, kv, t = job // (kv_heads * tokens), (job // tokens) % kv_heads, job % tokens
         order = np.empty(slots, np.int64)  # the visible slots, ascending
@@ -184,10 +187,11 @@ def _attend(q, keys, values, visible, scale, softcap, out):
             if seen[s]:
                 order[count] = s
                 count += 1
-        weights = np.zeros((QUERY_BLOCK, slots), np.float32)
+        weights = np.empty((QUERY_BLOCK, slots), np.float32)
         totals = np.ones(QUERY_BLOCK, np.float32)
         for g0 in range(0, group, QUERY_BLOCK):
             n_heads = min(QUERY_BLOCK, group - g0)
+            weights[n_heads:] = 0.0  # a missing head's row: computed and never written
             for x in range(n_heads):
                 totals[x] = _softmax_weights(scores[b, kv, t * group + g0 + x], order[:count], softcap, weights[x])
             first = kv * group + g0
@@ -269,7 +273,7 @@ def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     else:
         attend = _attend_serial
     attend(q.numpy(), keys.numpy(), values.numpy(), mask.numpy(), np.float32(scale), np.float32(softcap or 0.0),
-           out.numpy())  # fmt: skip
+           threads, out.numpy())  # fmt: skip
     return out if dtype == torch.float32 else out.to(dtype)
 
 

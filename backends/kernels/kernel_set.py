@@ -88,7 +88,7 @@ def _cache_rows(kv: torch.fx.Node) -> torch.fx.Node:
 
 def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch.Tensor] | None) -> None:
     """Each `call_module` of an `nn.Linear` whose weight the kernel takes becomes rows_linear(x, weight,
-    bias); packed weights become buffers of `gm` (one per weight)."""
+    bias, lone_row_apart); packed weights become buffers of `gm` (one per weight)."""
     from specpass.backends.lowering.onednn import packed_weight
 
     graph = gm.graph
@@ -111,7 +111,8 @@ def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch
                     gm.register_buffer(names[key], packed[key], persistent=False)
                 weight = graph.get_attr(names[key])
             bias = graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
-            new = graph.call_function(rows_linear, (node.args[0], weight, bias))
+            apart = linear.lone_row_differs(module.weight if packed is None else packed[id(module.weight)])
+            new = graph.call_function(rows_linear, (node.args[0], weight, bias, apart))
         replace_node(node, new, (weight, bias, new))
 
 
@@ -130,11 +131,12 @@ def compiled_ops() -> tuple:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("specpass::rows_linear", mutates_args=())
-    def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear.rows_linear(x, weight, bias)
+    def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lone_row_apart: bool
+                    ) -> torch.Tensor:  # fmt: skip
+        return linear.rows_linear(x, weight, bias, lone_row_apart)
 
     @rows_linear.register_fake
-    def _(x, weight, bias):
+    def _(x, weight, bias, lone_row_apart):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     return torch.ops.specpass.ordered_attention.default, torch.ops.specpass.rows_linear.default
