@@ -10,7 +10,7 @@ import specpass
 from specpass.backends.kernels import attention as attention_module
 from specpass.backends.kernels import linear as linear_module
 from specpass.backends.kernels.attention import ordered_attention
-from specpass.backends.kernels.linear import lone_row_differs, rows_linear
+from specpass.backends.kernels.linear import row_bounds, rows_linear
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -81,18 +81,46 @@ def test_attention_reads_only_the_slots_its_mask_covers_and_not_the_thread_count
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_of_the_linear_does_not_depend_on_the_other_rows(dtype):
+    """Calls of sizes the probe never measured (17, 100, 600 rows: run in measured pieces) and of sizes it
+    did give every row the bits of the same row computed alone, weights as they are and packed (as
+    float32: bfloat16 computes in float32)."""
     gen = torch.Generator().manual_seed(0)
     for k, n in ((576, 1536), (1536, 576), (32, 96)):
         weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        x = torch.randn(130, k, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.float())
+        x = torch.randn(600, k, generator=gen).to(dtype)
         for w in (weight, packed):
-            apart = lone_row_differs(w)
-            alone = torch.cat([rows_linear(x[i : i + 1], w, bias, apart) for i in range(130)])
-            for m in (1, 2, 3, 7, 16, 33, 130):
-                assert torch.equal(rows_linear(x[:m], w, bias, apart), alone[:m]), (k, n, m)
-            assert torch.equal(rows_linear(x[None, :5], w, bias, apart), alone[None, :5])  # [B, T, K] inputs
-        assert lone_row_differs(weight) or dtype == torch.float32  # a bfloat16 row is never run alone
+            bounds = row_bounds(w)
+            assert 1 <= bounds.min_rows <= 2 and bounds.max_rows >= 1
+            alone = torch.cat([rows_linear(x[i : i + 1], w, bias, *bounds) for i in range(600)])
+            for m in (1, 2, 3, 7, 16, 17, 33, 100, 130, 600):
+                assert torch.equal(rows_linear(x[:m], w, bias, *bounds), alone[:m]), (k, n, m, bounds)
+            assert torch.equal(rows_linear(x[None, :5], w, bias, *bounds), alone[None, :5])  # [B, T, K] inputs
+            assert alone.dtype == dtype
+
+
+@needs_onednn
+def test_the_linear_runs_only_measured_call_sizes(monkeypatch):
+    """A long call is cut into pieces of measured sizes, none above max_rows; a lone row runs in company
+    where min_rows says so."""
+    from specpass.backends.kernels import linear as linear_module
+
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Recording:
+        def _linear_pointwise(self, x, *rest):
+            calls.append(x.shape[0])
+            return real(x, *rest)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Recording())
+    weight = torch.randn(8, 4)
+    for m, bounds, sizes in ((1, (2, 512), [2]), (1, (1, 512), [1]), (600, (2, 512), [512, 64, 24]),
+                             (45, (1, 32), [32, 13]), (33, (2, 32), [32, 2]), (70, (1, 70), [64, 6])):  # fmt: skip
+        calls.clear()
+        linear_module.rows_linear(torch.randn(m, 4), weight, None, *bounds)
+        assert calls == sizes, (m, bounds)
+        assert all(size in linear_module.SMALL_SIZES + linear_module.LADDER for size in calls)
 
 
 @needs_onednn
@@ -118,9 +146,9 @@ def test_a_kernel_that_depends_on_the_rest_of_the_call_is_refused(monkeypatch):
         slots = mask.shape[-1]
         return SDPA(q, keys[:, :, :slots], values[:, :, :slots], attn_mask=mask, scale=scale, enable_gqa=True)
 
-    def rows_dependent_linear(x, weight, bias, lone_row_apart):
+    def rows_dependent_linear(x, weight, bias, min_rows, max_rows):
         rows = x.numel() // x.shape[-1]
-        return rows_linear(x, weight, bias, lone_row_apart) * (1 + 1e-6 * (rows > 1))
+        return rows_linear(x, weight, bias, min_rows, max_rows) * (1 + 1e-6 * (rows > 1))
 
     for name, module, kernel in (("ordered_attention", attention_module, sdpa_attention),
                                  ("rows_linear", linear_module, rows_dependent_linear)):  # fmt: skip

@@ -26,16 +26,18 @@ both with accumulators in registers (`_stack_array`).
 
 Threads. The kernel runs on torch's thread count: on numba's OpenMP pool with that many threads, or on
 the calling thread when it is one. Each query is computed by one thread either way, so the thread
-count changes no bit. Starting numba's pool (`_start_numba_threads`) sets the OpenMP thread count of
-the process, which torch's OpenMP runtime may share: it is set back to torch's own afterwards (left at
-numba's two, each pytest-xdist worker of one torch thread ran two, and the suite several times slower),
-and the pool starts with passive waiting, so its idle threads do not spin against torch's.
+count changes no bit. Numba's pool is started only for a parallel call (`_start_numba_threads`): it
+sets the OpenMP thread count of the runtime torch may share, which is set back at once, and its
+threads join that runtime's pool, whose idle threads spin at every parallel region (started in a
+process of one torch thread, such a thread took half a core: each pytest-xdist worker ran several
+times slower). It starts with passive waiting where its runtime is its own.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import types as types_module
 
 import numba
 import numpy as np
@@ -198,8 +200,16 @@ def _attend(q, keys, values, visible, scale, softcap, threads, out):
             _weighted_sum(weights, totals, order[:count], values[b, kv], out[b, first : first + n_heads, t])
 
 
-_attend_parallel = numba.njit(cache=True, parallel=True, boundscheck=False)(_attend)
-_attend_serial = numba.njit(cache=True, boundscheck=False)(_attend)  # the same operations, on the calling thread
+def _named(function, name: str):
+    """`function` under another name: numba caches compiled code by a function's name, and the parallel
+    and the one-thread build of one function would take each other's place in that cache."""
+    renamed = types_module.FunctionType(function.__code__, function.__globals__, name)
+    renamed.__qualname__ = name
+    return renamed
+
+
+_attend_parallel = numba.njit(cache=True, parallel=True, boundscheck=False)(_named(_attend, "_attend_parallel"))
+_attend_serial = numba.njit(cache=True, boundscheck=False)(_named(_attend, "_attend_serial"))  # on the calling thread
 
 
 @numba.njit(cache=True, boundscheck=False)
@@ -264,9 +274,9 @@ def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q, keys, values = q.float(), keys[:, :, :slots].float(), values[:, :, :slots].float()
     q, keys, values, mask = (x.detach().contiguous() for x in (q, keys, values, mask))
     out = torch.empty(q.shape, dtype=torch.float32)
-    _start_numba_threads()
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if threads > 1:
+        _start_numba_threads()
         if numba.get_num_threads() != threads:
             numba.set_num_threads(threads)  # the calling thread's setting
         attend = _attend_parallel

@@ -88,7 +88,7 @@ def _cache_rows(kv: torch.fx.Node) -> torch.fx.Node:
 
 def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch.Tensor] | None) -> None:
     """Each `call_module` of an `nn.Linear` whose weight the kernel takes becomes rows_linear(x, weight,
-    bias, lone_row_apart); packed weights become buffers of `gm` (one per weight)."""
+    bias, min_rows, max_rows) (`linear.row_bounds`); packed weights become buffers of `gm` (one per weight)."""
     from specpass.backends.lowering.onednn import packed_weight
 
     graph = gm.graph
@@ -111,8 +111,8 @@ def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch
                     gm.register_buffer(names[key], packed[key], persistent=False)
                 weight = graph.get_attr(names[key])
             bias = graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
-            apart = linear.lone_row_differs(module.weight if packed is None else packed[id(module.weight)])
-            new = graph.call_function(rows_linear, (node.args[0], weight, bias, apart))
+            bounds = linear.row_bounds(module.weight if packed is None else packed[id(module.weight)])
+            new = graph.call_function(rows_linear, (node.args[0], weight, bias, *bounds))
         replace_node(node, new, (weight, bias, new))
 
 
@@ -131,12 +131,12 @@ def compiled_ops() -> tuple:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("specpass::rows_linear", mutates_args=())
-    def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lone_row_apart: bool
-                    ) -> torch.Tensor:  # fmt: skip
-        return linear.rows_linear(x, weight, bias, lone_row_apart)
+    def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int,
+                    max_rows: int) -> torch.Tensor:  # fmt: skip
+        return linear.rows_linear(x, weight, bias, min_rows, max_rows)
 
     @rows_linear.register_fake
-    def _(x, weight, bias, lone_row_apart):
+    def _(x, weight, bias, min_rows, max_rows):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     return torch.ops.specpass.ordered_attention.default, torch.ops.specpass.rows_linear.default

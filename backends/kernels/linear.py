@@ -3,14 +3,24 @@
 Why. PyTorch's default CPU linear (MKL sgemm) picks its kernel by the number of rows: measured on a
 2-core AMD EPYC (torch 2.13, float32, the default model's shapes), every row of a call of 2 or more
 rows differs from the same row alone, and calls of 4, 8, 16, ... rows differ from each other too.
-oneDNN's linear (`mkldnn._linear_pointwise`, on the weight as it is or packed for oneDNN: the same
-bits) gives a row the same bits in every call of 2 to 2048 rows, at 1 and 2 threads, in float32 and
-bfloat16. A call of one row runs another kernel for some shapes (there: every weight as it is, and
-the packed down projection's 1536 inputs; not the packed 576): where `lone_row_differs` measures
-that, a lone row is run beside a copy of itself. The measurement is per weight shape and packing,
-once per process (a probe of 3 rows), in float32, whose outputs keep every bit of the sum; a
-bfloat16 output rounds most differences away (there one row in 16 differed), so a lone bfloat16 row
-is always run in company.
+oneDNN's float32 linear (`mkldnn._linear_pointwise`, on the weight as it is or packed for oneDNN: the
+same bits) gave a row the same bits in every call of 2 to 2048 rows there and on a 2-core Intel Xeon
+with AMX, at 1 and 2 threads, while a call of one row runs another kernel for some shapes.
+
+So the call sizes a weight may take are measured, per weight shape, packing and thread count, once
+per process (`row_bounds`): the sizes (1..16, then a ladder to 512) whose rows keep the bits of the
+same rows computed in pairs, 64 rows compared, float32 outputs keeping every bit of the sums.
+`rows_linear` runs every call as pieces of measured sizes only: a lone row beside a copy of itself
+where a one-row call differs, a long call in pieces of at most the largest size up to which every
+measured size agrees.
+
+Lower precision computes in float32. oneDNN's bfloat16 kernels were not one function on the Xeon
+(calls of more than 32 rows run AMX kernels whose rows differ from smaller calls' and from each
+other's, irregularly: a probe of 64 rows passed sizes that then differed on other data), and a
+bfloat16 output rounds away the evidence a probe needs. So a bfloat16 linear here is the float32
+linear of its bfloat16 inputs and weights (exact products, float32 sums), rounded once at the end:
+the weights packed as float32 (twice the bytes), at 2-7x the time of oneDNN's AMX bfloat16 kernel
+there (docs/experiments.md).
 
 Invariant. rows_linear(x)[i] depends only on x[i], the weight and the bias (checked at build time by
 backends.runtime.invariance, tested in tests/test_invariance.py).
@@ -19,46 +29,84 @@ backends.runtime.invariance, tested in tests/test_invariance.py).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
+SMALL_SIZES = tuple(range(1, 17))  # every size a remainder may take
+LADDER = (24, 31, 32, 33, 48, 63, 64, 96, 128, 192, 256, 384, 512)
+COMPARED_ROWS = 64
+
+
+class RowBounds(NamedTuple):
+    """min_rows: 2 where a one-row call has other bits (a lone row then runs beside a copy of itself);
+    max_rows: the largest call size up to which every measured size gives a row the same bits."""
+
+    min_rows: int
+    max_rows: int
+
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN's linear runs here: on a CPU with oneDNN, float32, or bfloat16 where oneDNN has it."""
+    """Whether oneDNN's linear runs here: on a CPU with oneDNN, float32 or bfloat16 (computed in float32)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype in (torch.float32, torch.bfloat16)
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lone_row_apart: bool = True
-                ) -> torch.Tensor:  # fmt: skip
-    """x [..., K] -> [..., N] through oneDNN's linear; weight [N, K] as it is, or packed for oneDNN
-    (backends.lowering.onednn.packed_weight). lone_row_apart: a call of one row runs it beside a copy of
-    itself (`lone_row_differs(weight)`)."""
-    if not lone_row_apart or x.numel() != x.shape[-1]:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    pair = x.reshape(1, -1).expand(2, -1)  # [2, K]
-    return torch.ops.mkldnn._linear_pointwise(pair, weight, bias, "none", [], "")[:1].reshape(*x.shape[:-1], -1)
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 2,
+                max_rows: int = 512) -> torch.Tensor:  # fmt: skip
+    """x [..., K] -> [..., N] in x's dtype through oneDNN's float32 linear, in calls of measured sizes
+    only (`row_bounds`); weight [N, K] as it is, or packed for oneDNN (backends.lowering.onednn.packed_weight)."""
+    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+    if not weight.is_mkldnn and weight.dtype != torch.float32:
+        weight = weight.float()
+    bias = bias.float() if bias is not None else None
+    pieces, start = [], 0
+    while start < rows.shape[0]:
+        size = _piece_size(rows.shape[0] - start, max_rows)
+        pieces.append(_call(rows[start : start + size], weight, bias, min_rows))
+        start += size
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-def lone_row_differs(weight: torch.Tensor) -> bool:
-    """Whether oneDNN gives a row computed alone other bits than the same row among others, for a
-    weight of this shape and packing (float32: measured once per process and thread count; other
-    dtypes: assumed, module docstring)."""
-    if weight.dtype != torch.float32:
-        return True
-    return _lone_row_differs(tuple(weight.shape), weight.is_mkldnn, torch.get_num_threads())
+def _piece_size(left: int, max_rows: int) -> int:
+    """The largest measured size of at most min(left, max_rows) rows."""
+    limit = min(left, max_rows)
+    if limit <= SMALL_SIZES[-1]:
+        return limit
+    return max(size for size in SMALL_SIZES + LADDER if size <= limit)
+
+
+def _call(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
+    if rows.shape[0] >= min_rows:
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    pair = rows.expand(2, -1)  # [2, K]
+    return torch.ops.mkldnn._linear_pointwise(pair, weight, bias, "none", [], "")[:1]
+
+
+def row_bounds(weight: torch.Tensor) -> RowBounds:
+    """The call sizes oneDNN's float32 linear keeps a row's bits in, for a weight of this shape and
+    packing (measured once per process and thread count: module docstring)."""
+    return _row_bounds(tuple(weight.shape), weight.is_mkldnn, torch.get_num_threads())
 
 
 @functools.cache
-def _lone_row_differs(shape: tuple[int, int], packed: bool, threads: int) -> bool:
+def _row_bounds(shape: tuple[int, int], packed: bool, threads: int) -> RowBounds:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=gen)
     if packed:
         weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-    rows = torch.randn(3, shape[1], generator=gen)
-    alone = torch.ops.mkldnn._linear_pointwise(rows[:1], weight, None, "none", [], "")
-    among = torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")[:1]
-    return not torch.equal(alone, among)
+    x = torch.randn(LADDER[-1], shape[1], generator=gen)  # [512, K]
+    paired = torch.cat([_call(x[i : i + 1], weight, None, 2) for i in range(COMPARED_ROWS)])  # [64, N]
+    lone_equal = torch.equal(_call(x[:1], weight, None, 1), paired[:1])
+    min_rows = 1 if lone_equal else 2
+    max_rows = 1
+    for size in SMALL_SIZES[1:] + LADDER:
+        compared = min(size, COMPARED_ROWS)
+        if not torch.equal(_call(x[:size], weight, None, 1)[:compared], paired[:compared]):
+            break
+        max_rows = size
+    return RowBounds(min_rows, max_rows)

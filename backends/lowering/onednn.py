@@ -26,7 +26,8 @@ _PACKED: DerivedCache[torch.Tensor] = DerivedCache()  # weight -> its packed for
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] in oneDNN's blocked layout, shared by every graph lowered from it in this process.
+    """`weight` [N, K] as float32 (backends.kernels.linear computes in float32) in oneDNN's blocked
+    layout, shared by every graph lowered from it in this process.
     Packed again when the weight changed in place since (its version counter moved); the entry goes
     when the weight does."""
-    return _PACKED.get((weight,), lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+    return _PACKED.get((weight,), lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach().float()))
