@@ -55,8 +55,8 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 2,
-                max_rows: int = 512) -> torch.Tensor:  # fmt: skip
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int, max_rows: int
+                ) -> torch.Tensor:  # fmt: skip
     """x [..., K] -> [..., N] in x's dtype through oneDNN's float32 linear, in calls of measured sizes
     only (`row_bounds`); weight [N, K] as it is, or packed for oneDNN (backends.lowering.onednn.packed_weight)."""
     rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]

@@ -7,7 +7,7 @@ whole step cost 47 ms at T = 1 and 65 ms at T = 16 with `F.linear`, 23 ms and 31
 the invariant kernels, docs/experiments.md). The packed and unpacked calls give the same bits.
 
 Rewrite. `backends.kernels.kernel_set.use_kernels` with a `packed` table: each linear becomes
-`rows_linear(x, packed_weight, bias)`, the packed weights buffers of the lowered module (one per
+`rows_linear(x, packed_weight, bias, *row_bounds)`, the packed weights buffers of the lowered module (one per
 distinct weight tensor, so a tied LM head is packed once).
 
 Invariants. The packed weights are a copy, made once per weight per process and shared by every
