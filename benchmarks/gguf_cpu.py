@@ -16,7 +16,8 @@ chat template; every row the same prompts, the same thread count):
   *_sampled                 the two gguf lowerings and their one-token rows sampling (temperature 0.8,
                             top-p 0.95, seed 7): speculative against one-node sampling
   llama_cpp                 llama-cpp-python, plain greedy decoding (temp 0, no repeat penalty), in a
-                            process of its own (benchmarks/llama_cpp_worker.py)
+                            process of its own (benchmarks/llama_cpp_worker.py); started with its defaults,
+                            and without its extra buffer types (AMX) where a probe decode crashed (reported)
   llama_cpp_prompt_lookup   llama-cpp-python with its prompt-lookup drafter (10 tokens), the same process
   llama_cpp_prompt_lookup_2 the same with 2 draft tokens (its docs' advice on CPUs)
 Reported per row and set: tokens/s (prefill included), the prefill's share (llama.cpp: time to its
@@ -62,12 +63,26 @@ class LlamaCppProcess:
     rows take turns with the torch rows on every prompt while never sharing the cores with them."""
 
     def __init__(self, threads: int):
+        """Starts the worker with llama.cpp's defaults; if a probe decode kills it (its AMX buffers
+        segfaulted on an Intel Xeon, 2026-12-05), starts it again without extra buffer types and says so."""
+        self.decode_ms: dict[int, list[float]] = {k: [] for k in LLAMA_CPP_ROWS.values()}  # per prompt: its own timing
+        self.crashed_with_extra_buffers = False
+        self._start(threads, extra_buffers=True)
+        try:
+            self.ask(list(range(100, 108)), 4, set(), 0)  # eight token ids, four new tokens
+        except (json.JSONDecodeError, BrokenPipeError):
+            self.process.wait(timeout=60)
+            self.crashed_with_extra_buffers = f"exit code {self.process.returncode}"
+            self._start(threads, extra_buffers=False)
+            self.ask(list(range(100, 108)), 4, set(), 0)  # eight token ids, four new tokens
+
+    def _start(self, threads: int, extra_buffers: bool) -> None:
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_worker.py")
         path = os.path.join(default_model_dir(), GGUF_FILE)
-        self.process = subprocess.Popen([sys.executable, worker, path, str(threads)], stdin=subprocess.PIPE,
+        flags = [] if extra_buffers else ["--no-extra-buffers"]
+        self.process = subprocess.Popen([sys.executable, worker, path, str(threads), *flags], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)  # fmt: skip
-        self.info = json.loads(self.process.stdout.readline())  # {"ready", "system_info", "version"}
-        self.decode_ms: dict[int, list[float]] = {k: [] for k in LLAMA_CPP_ROWS.values()}  # per prompt: its own timing
+        self.info = json.loads(self.process.stdout.readline())  # {"ready", "system_info", "version", "extra_buffers"}
 
     def ask(self, ids: list[int], max_new_tokens: int, eos: set[int], draft_tokens: int) -> dict:
         request = {"ids": ids, "max_new_tokens": max_new_tokens, "eos": sorted(eos), "draft_tokens": draft_tokens}
@@ -259,7 +274,9 @@ def run(prompts_per_set: int, max_new_tokens: int, out_dir: str, threads: int) -
         **run_identity(torch.device("cpu")),
         "cpu_flags": cpu_flags(),
         "llama_cpp": {"version": llama.info["version"], "system_info": llama.info["system_info"],
-                      "process": "its own (benchmarks/llama_cpp_worker.py), prompts taking turns with the torch rows"},
+                      "process": "its own (benchmarks/llama_cpp_worker.py), prompts taking turns with the torch rows",
+                      "extra_buffers": llama.info["extra_buffers"],
+                      "crashed_with_extra_buffers": llama.crashed_with_extra_buffers},
         **evaluation_sets(prompts_per_set, max_new_tokens),
         "one_token_step_ms": steps,
         "results": results,

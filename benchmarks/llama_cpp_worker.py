@@ -1,7 +1,11 @@
 """llama.cpp in a process of its own, for benchmarks/gguf_cpu.py: its OpenMP threads and torch's never share
 the cores, and it never runs inside the torch process (an 11-26 run that did so halved HF's speed).
 
-    python benchmarks/llama_cpp_worker.py GGUF_PATH THREADS
+    python benchmarks/llama_cpp_worker.py GGUF_PATH THREADS [--no-extra-buffers]
+
+--no-extra-buffers loads the weights without llama.cpp's extra buffer types (its AMX and repacked layouts):
+on a 2-core Intel Xeon with AMX (2026-12-05, llama-cpp-python 0.3.36) every decode with them segfaulted,
+and for Q4_1 AMX is the only one that applies (ggml's repack takes Q4_0 / Q4_K / IQ4_NL / Q8_0).
 
 Reads one JSON request a line on stdin: {"ids": [...], "max_new_tokens": N, "eos": [...], "draft_tokens": K}
 (K = 0: plain decoding; else llama-cpp-python's prompt-lookup drafter proposing K tokens);
@@ -20,9 +24,20 @@ import time
 DRAFT_TOKENS = (0, 10, 2)  # plain; prompt lookup as llama-cpp-python's default (10); and 2, as its docs advise on CPUs
 
 
-def _models(path: str, threads: int) -> dict:
+def _models(path: str, threads: int, extra_buffers: bool) -> dict:
+    import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    if not extra_buffers:  # Llama() takes no such argument; it reads the bindings' default model params
+        default_params = bindings.llama_model_default_params
+
+        def without_extra_buffers():
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        bindings.llama_model_default_params = without_extra_buffers
 
     def make(draft_tokens: int):
         draft = LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens) if draft_tokens else None
@@ -57,9 +72,10 @@ def main() -> int:
     import llama_cpp
 
     path, threads = sys.argv[1], int(sys.argv[2])
-    models = _models(path, threads)
+    extra_buffers = "--no-extra-buffers" not in sys.argv[3:]
+    models = _models(path, threads, extra_buffers)
     print(json.dumps({"ready": True, "system_info": llama_cpp.llama_print_system_info().decode().strip(),
-                      "version": llama_cpp.__version__}), flush=True)  # fmt: skip
+                      "version": llama_cpp.__version__, "extra_buffers": extra_buffers}), flush=True)  # fmt: skip
     for line in sys.stdin:
         request = json.loads(line)
         llm = models[int(request.get("draft_tokens", 0))]
