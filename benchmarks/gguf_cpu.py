@@ -55,6 +55,7 @@ ONE_TOKEN_OF = {name: f"{name}_one_token" for name in ("specpass_float32", "spec
                                                          "specpass_gguf_compiled")}  # fmt: skip
 ONE_TOKEN_OF |= {f"{name}_sampled": f"{name}_one_token_sampled" for name in ("specpass_gguf", "specpass_gguf_compiled")}
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+PROBE_IDS = list(range(100, 108))  # eight token ids: llama.cpp's first decode, before any timed row
 LLAMA_CPP_ROWS = {"llama_cpp": 0, "llama_cpp_prompt_lookup": 10, "llama_cpp_prompt_lookup_2": 2}  # row -> draft tokens
 
 
@@ -69,12 +70,12 @@ class LlamaCppProcess:
         self.crashed_with_extra_buffers = False
         self._start(threads, extra_buffers=True)
         try:
-            self.ask(list(range(100, 108)), 4, set(), 0)  # eight token ids, four new tokens
+            self.ask(PROBE_IDS, 4, set(), 0)
         except (json.JSONDecodeError, BrokenPipeError):
             self.process.wait(timeout=60)
             self.crashed_with_extra_buffers = f"exit code {self.process.returncode}"
             self._start(threads, extra_buffers=False)
-            self.ask(list(range(100, 108)), 4, set(), 0)  # eight token ids, four new tokens
+            self.ask(PROBE_IDS, 4, set(), 0)
 
     def _start(self, threads: int, extra_buffers: bool) -> None:
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_worker.py")
