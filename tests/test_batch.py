@@ -237,19 +237,40 @@ def test_batch_requests_are_clear_errors():
         decode(_program(model, 2), [[1, 2], [3], [4]], max_new_tokens=2, eos_token_ids=[])
 
 
-def test_sampled_rows_equal_each_row_sampled_alone():
-    """Sampling keys its noise by (seed, position): a row sampled in a batch gives the tokens of that
-    prompt sampled alone with the row's seed."""
+def _sampled_by_hand(model, prompt: torch.Tensor, seed: int, temperature: float, new_tokens: int) -> list[int]:
+    """Plain sampling written out, with nothing of specpass's decoding: HF's forward over the whole prefix,
+    HF's temperature warper, then the Gumbel-max draw keyed by (seed, absolute position) that the README
+    defines (backends.runtime.sampling.position_noise)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    from specpass.backends.runtime.sampling import position_noise
+
+    ids, warp = prompt.reshape(1, -1), TemperatureLogitsWarper(temperature)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            scores = warp(ids, model(ids).logits[:, -1].float())  # [1, V]
+            token = (scores[0] + position_noise(seed, ids.shape[1], scores.shape[-1])).argmax()
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return ids[0, prompt.numel() :].tolist()
+
+
+def test_sampled_rows_equal_plain_sampling_of_each_prompt_alone():
+    """Sampling keys its noise by (seed, position): a row sampled speculatively in a batch gives the tokens
+    of its prompt sampled alone with one-node trees (plain sampling, the README's promise) and the tokens
+    of plain sampling written out by hand over HF's forward, with the row's seed."""
     model = peaked_tiny_model()
-    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 10)]
+    prompts = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 10, 3)]
+    seeds = [3, 4, 5]
     ids, mask = padded(prompts)
-    options = {"lowering": "eager", "drafter": PromptLookup()}
-    out = specpass.generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True, temperature=0.7,
-                            seed=[3, 4], eos_token_id=[], options=options)  # fmt: skip
-    for b, (prompt, seed) in enumerate(zip(prompts, (3, 4))):
-        alone = specpass.generate(model, prompt, max_new_tokens=16, do_sample=True, temperature=0.7, seed=seed,
-                                  eos_token_id=[], options=options)  # fmt: skip
+    sampling = {"max_new_tokens": 16, "do_sample": True, "temperature": 0.7, "eos_token_id": []}
+    out = specpass.generate(model, ids, attention_mask=mask, seed=seeds, options=_options(lowering="eager"), **sampling)
+    assert sum(s.new_tokens - 1 - len(s.steps) for s in out.stats) > 0, "no draft token accepted: not speculative"
+    one_node = {"lowering": "eager", "budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1))}
+    for b, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        alone = specpass.generate(model, prompt, seed=seed, options=one_node, **sampling)
+        assert alone.stats.steps == (1,) * 15  # one token per step: nothing speculative
         assert list(out.new_tokens[b]) == alone.sequences[0, prompt.shape[1] :].tolist()
+        assert list(out.new_tokens[b]) == _sampled_by_hand(model, prompt, seed, 0.7, 16)
 
 
 def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
