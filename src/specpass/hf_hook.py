@@ -1,5 +1,10 @@
 """HF's `model.generate(..., custom_generate=specpass.custom_generate(options))`: every generation
-setting is honoured or refused with a `SpecpassError` naming it, never ignored.
+setting is honoured or refused with a `SpecpassError` naming it, never ignored. Each field of
+`GenerationConfig` is listed below as refused (at the values that change the output), honoured or inert
+(it cannot change a decoder-only model's tokens); a field the lists do not know (a newer transformers'
+setting) is refused unless it holds its default. One exception lies outside the hook's reach:
+`cache_implementation="paged"` makes HF's generate switch to its continuous batching before it looks at
+`custom_generate`.
 
 Honoured: greedy and sampling (do_sample, temperature, top_k, top_p, min_p, typical_p, epsilon and eta
 cutoffs, top_h), and the logits processors that are pure functions of (prefix, scores), applied to
@@ -7,9 +12,10 @@ every tree node with that node's own prefix: repetition penalty, no-repeat n-gra
 new tokens, bad words, sequence bias, suppress tokens (also at the beginning), forced BOS / EOS,
 remove invalid values, exponential decay length penalty, renormalize logits. Stopping: max length /
 max new tokens, EOS, stop strings (as `stopping_criteria=[StopStringCriteria(tokenizer, strings)]`:
-HF drops the `tokenizer` argument of a callable custom_generate), max time. HF's generate never hands
-a `streamer` to a callable hook (it puts the prompt into it itself and keeps it), so streaming through
-the hook is not available. Sampling draws its noise from a seed: the hook's own
+HF drops the `tokenizer` argument of a callable custom_generate), max time. Streaming: HF's generate
+puts the prompt into its `streamer` and keeps it from a callable hook, so the hook reads it from
+generate's frame (its caller) and puts each step's tokens, then `end()`; an `assistant_model`, kept
+the same way, is refused (the drafter is chosen in the options). Sampling draws its noise from a seed: the hook's own
 `seed=` argument (`model.generate(..., seed=7, custom_generate=...)`), else one int drawn from
 torch's global generator, so `torch.manual_seed` makes a run reproducible. A padded batch
 (input_ids [B, P] with attention_mask, padding on either side) runs in specpass.generate's loop
@@ -21,6 +27,10 @@ specpass.generate one seed per row for independent ones).
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 import torch
 
 from specpass.backends.runtime.decode import generate as decode
@@ -29,7 +39,10 @@ from specpass.backends.runtime.sampling import Sampling, TargetChoice
 from specpass.errors import UnsupportedSettingError
 
 # Settings HF's generate reads that change the output in ways a verify step does not implement.
-_REFUSED = {
+_REFUSED = {  # the specific before the general: num_beam_groups needs num_beams > 1
+    "num_beam_groups": lambda v: v is not None and v > 1,
+    "constraints": lambda v: v is not None,
+    "force_words_ids": lambda v: v is not None,
     "num_beams": lambda v: v is not None and v > 1,
     "num_return_sequences": lambda v: v is not None and v > 1,
     "penalty_alpha": lambda v: v is not None,
@@ -39,11 +52,50 @@ _REFUSED = {
     "output_logits": bool,
     "output_attentions": bool,
     "output_hidden_states": bool,
-    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "prompt_lookup_num_tokens": lambda v: v is not None,  # HF's own speculation: specpass's drafter is in `options`
     "assistant_early_exit": lambda v: v is not None,
+    "use_mtp": bool,
+    "is_assistant": bool,  # set by HF's assisted generation on its assistant model
+    "speculation_type": lambda v: v is not None,
     "token_healing": bool,
     "guidance_scale": lambda v: v is not None and v != 1,
     "watermarking_config": lambda v: v is not None,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1,
+    "encoder_no_repeat_ngram_size": lambda v: v is not None and v > 0,
+    "cache_implementation": lambda v: v == "quantized",  # a lossy cache
+}
+# Settings the hook applies: it reads them, or HF turns them into the processors and stopping criteria below.
+_HONOURED = frozenset((
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+    "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+    "remove_invalid_values", "renormalize_logits", "min_length", "min_new_tokens", "max_length", "max_new_tokens",
+    "max_time", "stop_strings", "eos_token_id", "pad_token_id",
+))  # fmt: skip
+# Settings that cannot change a decoder-only model's tokens once the refused ones are at their defaults.
+_INERT = {
+    "bos_token_id": "read only when generate gets no input ids",
+    "decoder_start_token_id": "encoder-decoder models only",
+    "use_cache": "how HF's loop caches; specpass decodes with its own cache",
+    "cache_implementation": "how HF's loop caches (its exact caches); specpass decodes with its own cache",
+    "cache_config": "how HF's loop caches; specpass decodes with its own cache",
+    "max_cache_len": "how HF's loop caches; specpass decodes with its own cache",
+    "prefill_chunk_size": "how HF's loop runs the prompt; specpass runs it in its own pieces",
+    "compile_config": "how HF's loop compiles; specpass's program is its own",
+    "disable_compile": "how HF's loop compiles; specpass's program is its own",
+    "low_memory": "read only by beam and contrastive search (refused)",
+    "length_penalty": "read only by beam search (refused)",
+    "early_stopping": "read only by beam search (refused)",
+    "diversity_penalty": "read only by group beam search (refused)",
+    "num_assistant_tokens": "read only by HF's assisted generation (refused)",
+    "num_assistant_tokens_schedule": "read only by HF's assisted generation (refused)",
+    "assistant_confidence_threshold": "read only by HF's assisted generation (refused)",
+    "assistant_lookbehind": "read only by HF's assisted generation (refused)",
+    "target_lookbehind": "read only by HF's assisted generation (refused)",
+    "max_matching_ngram_size": "read only by HF's assisted generation (refused)",
+    "assistant_ensemble_weight": "read only by HF's assisted generation (refused)",
+    "continuous_batching_config": "read only by HF's continuous batching (generate_batch), which never calls the hook",
+    "transformers_version": "metadata",
 }
 _PROCESSORS = (  # pure functions of (input_ids, scores)
     "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "RepetitionPenaltyLogitsProcessor",
@@ -66,6 +118,9 @@ def custom_generate(options=None):
         from specpass.api import compile_program
 
         config = generation_config
+        if _generate_argument(sys._getframe(1), "assistant_model") is not None:
+            raise UnsupportedSettingError("specpass's custom_generate does not take an assistant_model: "
+                                          "its drafter is chosen in the options (specpass.custom_generate(options))")  # fmt: skip
         _refuse_settings(config, kwargs, input_ids)
         processors = _processors(logits_processor)
         stop = _stop(stopping_criteria)
@@ -84,7 +139,8 @@ def custom_generate(options=None):
         prompts = prompts_from(input_ids, kwargs.get("attention_mask"))
         program = compile_program(model, options, rows=len(prompts))
         choices = [TargetChoice(processors, sampling)] * len(prompts)
-        batch = decode(program, prompts, max_new, _eos(config), choices, stop)
+        streamer = _generate_argument(sys._getframe(1), "streamer")
+        batch = decode(program, prompts, max_new, _eos(config), choices, stop, streamer=streamer)
         pad = config.pad_token_id if isinstance(config.pad_token_id, int) else next(iter(_eos(config)), 0)
         return with_new_tokens(input_ids, batch.new_tokens, pad)  # HF's layout: the input as given, then new tokens
 
@@ -96,6 +152,12 @@ def _refuse_settings(config, kwargs: dict, input_ids: torch.Tensor) -> None:
         value = getattr(config, name, None)
         if refused(value):
             raise UnsupportedSettingError(f"specpass's custom_generate does not implement {name}={value!r}")
+    unknown = [(name, value) for name, value in config.to_dict().items() if not name.startswith("_")
+               and name not in _REFUSED and name not in _HONOURED and name not in _INERT and value != _default_setting(name)]  # fmt: skip
+    if unknown:  # a setting of a newer transformers, or an attribute set by hand: never ignored
+        name, value = unknown[0]
+        raise UnsupportedSettingError(f"specpass's custom_generate does not know the generation setting "
+                                      f"{name}={value!r}; leave it at its default")  # fmt: skip
     for name, value in kwargs.items():
         if name not in _HARMLESS_KWARGS and value is not None:
             raise UnsupportedSettingError(f"specpass's custom_generate does not implement the argument {name!r}")
@@ -141,3 +203,42 @@ def _eos(config) -> list[int] | None:
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def _generate_argument(caller, name: str):
+    """An argument HF's generate keeps from a callable custom_generate (`streamer`, `assistant_model`), read
+    from its frame when it is the hook's caller (None for a direct call); a streamer comes wrapped to skip
+    the prompt generate has put already."""
+    from transformers.generation.utils import GenerationMixin
+
+    if caller.f_code is not _generate_code(GenerationMixin):
+        return None
+    value = caller.f_locals.get(name)
+    return _AfterPrompt(value) if name == "streamer" and value is not None else value
+
+
+@functools.cache
+def _generate_code(mixin: type):
+    return inspect.unwrap(mixin.generate).__code__
+
+
+@functools.cache
+def _default_setting(name: str):
+    from transformers import GenerationConfig
+
+    return GenerationConfig().to_dict().get(name)
+
+
+class _AfterPrompt:
+    """A streamer whose first `put` (the prompt, which HF's generate has put already) is dropped."""
+
+    def __init__(self, streamer):
+        self.streamer, self.prompt_seen = streamer, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.streamer.put(value)
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.streamer.end()
