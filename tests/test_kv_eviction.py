@@ -1,11 +1,15 @@
 """KV eviction (rewrites.kv_eviction): the scoring math against brute force, the graphs the pass
 produces, its refusals, eviction = hiding the evicted tokens (positions stay original), the budget
-held at every step, nothing evicted = the full cache, speculation adding no change of its own, and batches whose every
-row evicts as it does alone (PyTorch and ORT)."""
+held at every step, nothing evicted = the full cache, speculation adding no change of its own, batches whose every
+row evicts as it does alone (PyTorch and ORT), and every policy's whole generations against an independent
+decoder (tests/eviction_reference.py)."""
+
+import shutil
 
 import pytest
 import torch
 from conftest import needs_cxx, needs_onednn, padded, tiny_model, translated_once
+from eviction_reference import evicting_greedy
 
 import specpass
 from specpass.drafters.registry import drafter_by_name
@@ -406,6 +410,30 @@ def test_a_batch_evicts_each_row_as_that_row_alone(cls):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("cls", POLICIES)
+def test_every_policy_equals_an_independent_evicting_decoder_alone_and_in_a_batch(cls):
+    """tests/eviction_reference.py decodes token by token over a full cache, masking what each policy's
+    definition evicts (nothing of specpass's decoding): each prompt's tokens equal it with one-node trees,
+    speculatively alone, and speculatively as a row of a left-padded batch; the policy does change them
+    (the full-cache model's tokens differ)."""
+    model = tiny_model()
+    policy = _policy(cls, 24, 8)
+    prompts = _batch_prompts(21)
+    reference = [evicting_greedy(model, prompt.tolist(), policy, 30) for prompt in prompts]
+    full = [model.generate(p[None], max_new_tokens=30, do_sample=False, eos_token_id=None)[0, len(p) :].tolist()
+            for p in prompts]  # fmt: skip
+    assert reference != full  # the eviction changed the output
+    for prompt, want in zip(prompts, reference):
+        assert _generate(model, prompt[None], policy, budget=1, new=30)[0] == want  # no speculation
+        assert _generate(model, prompt[None], policy, budget=8, new=30, drafter="combined")[0] == want
+    ids, mask = padded(prompts)
+    options = {"pipeline": specpass.Pipeline(TreeAttention(16), policy), "budget": 8, "drafter": drafter_by_name("combined")}
+    out = specpass.generate(model, ids, max_new_tokens=30, attention_mask=mask, eos_token_id=[], options=options)
+    assert [list(row) for row in out.new_tokens] == reference
+    assert max(s.tau for s in out.stats) > 1.0  # drafts were accepted across evictions
+
+
+@torch.no_grad()
 def test_a_batch_evicts_each_row_as_that_row_alone_on_the_default_model(default_model, cases):
     """TOVA at 64 slots on two of the shared prompts (code and chat, past the budget: the prefill
     evicts), 16 new tokens, one row ending early at an EOS: every row equals that prompt alone under
@@ -458,4 +486,12 @@ def test_an_onnx_export_evicts_on_ort_as_pytorch_does(cls, tmp_path, step_transl
     assert program.cache_bytes() == 2 * layers * kv * policy.budget * dim * 4 + sum(hook.state_bytes() for hook in program.hooks)
     with pytest.raises(InvalidParameterError, match=rf"evicts its KV cache to 32 slots \({cls.__name__}\).*=64"):
         specpass.load_onnx(result.directory, cache_size=64)
+    for graph in filter(None, (entry["observe"], entry["evict"])):  # each policy graph cut short: one line naming it
+        broken = tmp_path / f"broken-{graph}"
+        shutil.copytree(result.directory, broken)
+        with open(broken / graph, "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+        with pytest.raises(specpass.DamagedFileError, match=rf"{graph}.*export it again") as raised:
+            specpass.load_onnx(str(broken), drafter=drafter_by_name("combined"), budget=8)
+        assert len(str(raised.value).splitlines()) == 1
 
