@@ -11,27 +11,24 @@ import sys
 
 import pytest
 import torch
-from conftest import needs_cxx, tiny_model
+from conftest import needs_cxx, needs_int4_kernel, tiny_model
 from gguf_compiled_worker import quantized_tiny_step
 from test_lowering import _run_prefix_and_tree
 
 import specpass
 from specpass.backends.lowering import aot_compiled
 from specpass.backends.lowering.aot_compiled import package_key
-from specpass.backends.lowering.gguf import available, gguf_linear
+from specpass.backends.lowering.gguf import gguf_linear
 from specpass.backends.lowering.registry import LOWERINGS, resolve_lowering
 from specpass.errors import InvalidParameterError
 from specpass.ir import capture
 
-needs_kernel = pytest.mark.skipif(
-    not available(torch.device("cpu"), torch.float32), reason="this torch build has no int4 CPU kernel"
-)
 NO_COMPILER = (None, "no-such-c++-compiler")  # torch._inductor.config.cpp.cxx naming no compiler
 WORKER = os.path.join(os.path.dirname(__file__), "gguf_compiled_worker.py")
 
 
 @needs_cxx
-@needs_kernel
+@needs_int4_kernel
 def test_compiled_gguf_step_equals_the_gguf_step_op_by_op(monkeypatch, tmp_path):
     """Prefill, then a tree over the prefix (one package for both sizes): the compiled step's logits and
     the K/V it writes into the program's cache buffers equal the op-by-op step's up to bfloat16 rounding
@@ -62,10 +59,16 @@ def test_compiled_gguf_step_equals_the_gguf_step_op_by_op(monkeypatch, tmp_path)
         loaded = LOWERINGS["gguf-compiled"].build(gm, ctx)
         torch.testing.assert_close(_run_prefix_and_tree(loaded), got, rtol=0, atol=0)
     assert loaded.built_here is False and loaded.package_path == compiled.package_path
+    with open(compiled.package_path, "r+b") as f:  # a package cut short (a full disk, a killed copy)
+        f.truncate(os.path.getsize(compiled.package_path) // 2)
+    again = LOWERINGS["gguf-compiled"].build(gm, ctx)
+    with pytest.warns(UserWarning, match="is damaged .*compiling it again"):
+        torch.testing.assert_close(_run_prefix_and_tree(again), got, rtol=0, atol=0)
+    assert again.built_here is True and again.package_path == compiled.package_path
 
 
 @needs_cxx
-@needs_kernel
+@needs_int4_kernel
 def test_a_second_process_loads_the_package(tmp_path):
     """The first process compiles the package into $SPECPASS_CACHE; a fresh one loads it (nothing
     compiled) and computes the same logits."""
@@ -106,7 +109,7 @@ def test_the_package_is_named_by_the_weights_it_holds(monkeypatch):
     assert package_key(gm) != same
 
 
-@needs_kernel
+@needs_int4_kernel
 def test_compiled_lowerings_are_refused_without_a_cpp_compiler(monkeypatch, tmp_path):
     """Where the package is not compiled yet (an empty cache folder)."""
     from torch._inductor import config

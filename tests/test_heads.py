@@ -415,7 +415,6 @@ def test_training_positions_cover_the_prompt_and_accuracy_positions_only_the_gen
 
 
 def test_export_with_heads_runs_losslessly_on_ort(trained, tmp_path):
-    pytest.importorskip("onnxruntime")
     from specpass.backends.onnx.export import export
 
     model, out, _ = trained
@@ -430,6 +429,11 @@ def test_export_with_heads_runs_losslessly_on_ort(trained, tmp_path):
         ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(200 + seed))
         got = specpass.generate(program, ids, max_new_tokens=30)
         assert torch.equal(got.sequences, model.generate(ids, max_new_tokens=30, do_sample=False))
+    with open(tmp_path / "draft.onnx", "r+b") as f:  # the draft graph cut short: one line naming it
+        f.truncate(f.seek(0, 2) // 2)
+    with pytest.raises(specpass.DamagedFileError, match=r"draft\.onnx.*export it again") as raised:
+        specpass.load_onnx(str(tmp_path), drafter=Combined(Heads(), PromptLookup()), cache_size=200)
+    assert len(str(raised.value).splitlines()) == 1
 
 
 def test_cli_trains_heads_for_the_default_model(default_model, tmp_path, capsys):

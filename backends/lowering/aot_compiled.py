@@ -33,6 +33,7 @@ import hashlib
 import os
 import platform
 import threading
+import warnings
 
 import torch
 import torch.fx
@@ -84,15 +85,13 @@ class AotCompiledStep(EagerStep):
     def _build(self):
         with self._lock:
             if self._compiled is None:
-                self.built_here = not os.path.exists(self.package_path)
+                compiled = self._load_existing()
+                self.built_here = compiled is None
                 if self.built_here:
                     require_cpp_compiler(self.kind)
                     compile_package(self.gm, self.input_names, self.slots, self.package_path)
                     drop_old_packages(os.path.dirname(self.package_path), self.kind)
-                else:
-                    with contextlib.suppress(OSError):  # used now, so kept; a read-only cache folder is fine
-                        os.utime(self.package_path)
-                compiled = load_package(self.package_path)
+                    compiled = load_package(self.package_path)
                 caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
                 missing = sorted(set(caches) - set(compiled.get_constant_fqns()))
                 if missing:  # the package would read and write copies of its own: refuse, never decode on them
@@ -101,6 +100,22 @@ class AotCompiledStep(EagerStep):
                 compiled.load_constants(caches, check_full_update=False, user_managed=True)
                 self._compiled = compiled
         return self._compiled
+
+
+    def _load_existing(self):
+        """The package on disk, loaded (None: there is none). A package that does not load (cut short,
+        damaged) is a cache entry: it is deleted, with a warning, and compiled again."""
+        if not os.path.exists(self.package_path):
+            return None
+        with contextlib.suppress(OSError):  # used now, so kept; a read-only cache folder is fine
+            os.utime(self.package_path)
+        try:
+            return load_package(self.package_path)
+        except (RuntimeError, OSError, ValueError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            warnings.warn(f"{self.package_path} is damaged ({reason}); compiling it again", stacklevel=3)
+            os.remove(self.package_path)
+            return None
 
 
 class _AttendedLengthAsShape(nn.Module):
