@@ -11,14 +11,11 @@ import torch
 
 import specpass
 from specpass.backends.lowering.gguf_blocks import BLOCK, match_blocks, parse_blocks
-from specpass.backends.lowering.gguf import NEAR_TIE_LOGITS, available, gguf_linear, gguf_source, planes_of
+from specpass.backends.lowering.gguf import NEAR_TIE_LOGITS, gguf_linear, gguf_source, planes_of
 from specpass.errors import InvalidParameterError
 from specpass.ir import arch_of, capture
-from tests.conftest import needs_cxx, tiny_model
+from conftest import needs_cxx, needs_int4_kernel, tiny_model
 
-needs_kernel = pytest.mark.skipif(
-    not available(torch.device("cpu"), torch.float32), reason="this torch build has no int4 CPU kernel"
-)
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 UNIT = 2.0**-8  # bfloat16's unit roundoff: the lowering rounds activations, the constants and its output to it
 
@@ -48,7 +45,7 @@ def test_unsupported_block_type_is_refused():
         parse_blocks("Q4_1", np.zeros((1, 20), np.uint8), 1, 48)
 
 
-@needs_kernel
+@needs_int4_kernel
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_int4_planes_equal_the_dequantized_linear(kind, tokens):
@@ -126,7 +123,7 @@ def first_difference(tokens: torch.Tensor, other: torch.Tensor) -> int | None:
     return int(different[0]) if len(different) else None
 
 
-@needs_kernel
+@needs_int4_kernel
 @pytest.mark.parametrize("lowering", ["gguf", pytest.param("gguf-compiled", marks=needs_cxx)])
 def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases, lowering):
     """Speculative greedy on a GGUF lowering (op by op, or compiled whole) equals the lowering's own
@@ -154,3 +151,30 @@ def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases
             # both tokens within NEAR_TIE_LOGITS of the float32 maximum (two of a two- or three-way tie)
             gap = float(logits.max() - logits[[int(tokens[0, at]), int(other[0, at])]].min())
             assert gap <= NEAR_TIE_LOGITS, f"divergence at token {at - ids.shape[1]}, {gap:.4f} below the top logit"
+
+
+@needs_int4_kernel
+def test_a_weight_changed_after_building_is_noticed_by_the_gguf_lowering():
+    """A GGUF program keeps the file's int4 blocks: after a linear's weight changes in place, the next call
+    builds it again, leaves that linear to float32 (its blocks no longer equal the weight) and gives the
+    changed model's output (HF float32 greedy of it, up to near-ties), not the file's."""
+    model, tokenizer = specpass.load_default_model()  # its own copy: the change must not reach other tests
+    ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids  # [1, P]
+    options = {"lowering": "gguf", "budget": 8}
+    before = specpass.generate(model, ids, 16, eos_token_id=[], options=options).sequences
+    program = specpass.compile_program(model, options)
+    with torch.no_grad():
+        for layer in model.model.layers[-4:]:
+            layer.mlp.down_proj.weight.mul_(-1.0)
+    after = specpass.generate(model, ids, 16, eos_token_id=[], options=options).sequences
+    rebuilt = specpass.compile_program(model, options)
+    assert rebuilt is not program
+    assert not torch.equal(after, before)  # the change shows
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                               eos_token_id=None)  # fmt: skip
+    at = first_difference(after, reference)
+    if at is not None:
+        with torch.no_grad():
+            logits = model(reference[:, :at]).logits[0, -1]  # [V] float32, the changed model
+        gap = float(logits.max() - logits[[int(after[0, at]), int(reference[0, at])]].min())
+        assert gap <= NEAR_TIE_LOGITS, f"divergence at token {at - ids.shape[1]}, {gap:.4f} below the top logit"

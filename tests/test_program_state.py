@@ -131,3 +131,52 @@ def test_generating_does_not_count_as_a_weight_change(default_model, cases, name
     specpass.generate(model, ids, max_new_tokens=8, options=options)
     model.generate(ids, max_new_tokens=4, do_sample=False)
     assert specpass.compile_program(model, options) is program
+
+
+def test_a_dtype_move_through_generate_rebuilds_the_program():
+    """generate(model, ...) after `model.to(bfloat16)`: a new program, built for the new dtype, whose output
+    is HF greedy of the moved model (not the float32 program's)."""
+    model = peaked_tiny_model()
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(5))
+    options = {"budget": 4, "drafter": specpass.drafters.PromptLookup()}
+    before = specpass.generate(model, ids, max_new_tokens=24, eos_token_id=[], options=options)
+    assert torch.equal(before.sequences, _greedy(model, ids))
+    program = specpass.compile_program(model, options)
+    model.to(torch.bfloat16)
+    expected = _greedy(model, ids)
+    assert not torch.equal(expected, before.sequences)  # the move shows in HF's own output
+    after = specpass.generate(model, ids, max_new_tokens=24, eos_token_id=[], options=options)
+    assert torch.equal(after.sequences, expected)
+    rebuilt = specpass.compile_program(model, options)
+    assert rebuilt is not program and rebuilt.k_cache.dtype == torch.bfloat16
+
+
+def test_weights_changed_between_hf_hook_calls_rebuild_the_program():
+    """The hook builds its program through the same cache as generate(model): a change between two
+    `model.generate(..., custom_generate=hook)` calls gives HF greedy of the changed weights."""
+    model = peaked_tiny_model()
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(6))
+    options = {"lowering": "eager", "budget": 4, "drafter": specpass.drafters.PromptLookup()}
+    hook = specpass.custom_generate(options)
+    settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    before = model.generate(ids, custom_generate=hook, **settings)
+    assert torch.equal(before, _greedy(model, ids))
+    program = specpass.compile_program(model, options)
+    _load_state_dict(model)
+    expected = _greedy(model, ids)
+    assert not torch.equal(expected, before)
+    assert torch.equal(model.generate(ids, custom_generate=hook, **settings), expected)
+    assert specpass.compile_program(model, options) is not program
+
+
+@pytest.mark.gpu
+def test_a_device_move_through_generate_rebuilds_the_program():
+    model = peaked_tiny_model()
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(7))
+    options = {"budget": 4, "drafter": specpass.drafters.PromptLookup()}
+    assert torch.equal(specpass.generate(model, ids, max_new_tokens=24, eos_token_id=[], options=options).sequences,
+                       _greedy(model, ids))  # fmt: skip
+    model.to("cuda")
+    after = specpass.generate(model, ids.cuda(), max_new_tokens=24, eos_token_id=[], options=options)
+    assert torch.equal(after.sequences.cpu(), _greedy(model, ids.cuda()).cpu())
+    assert specpass.compile_program(model, options).k_cache.device.type == "cuda"
