@@ -1,3 +1,4 @@
+import collections
 import contextlib
 import os
 import shutil
@@ -7,17 +8,51 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from specpass.backends.lowering import gguf as gguf_lowering
 from specpass.backends.lowering import onednn
 from specpass.research.tiny_models import TINY_ARCHS, TINY_CONFIGS, WINDOW, tiny_model  # noqa: F401 (tests import them here)
 
+# A CPU piece the README promises (oneDNN, the int4 kernel, a C++ compiler for the compiled lowerings): its
+# tests skip without it, and the run says so in its summary line ("N skipped: a CPU piece missing") and
+# lists the pieces, so a green run never hides a proof that did not run. Test dependencies (hypothesis,
+# onnxruntime) are imported outright: without them the run fails.
+CPU_PIECE_MISSING = "a CPU piece missing"
+
 needs_onednn = pytest.mark.skipif(
-    not onednn.available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
+    not onednn.available(torch.device("cpu"), torch.float32), reason=f"{CPU_PIECE_MISSING}: this torch build has no oneDNN"
 )
 
 needs_cxx = pytest.mark.skipif(
     not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
-    reason="TorchInductor's CPU code generation needs a C++ compiler",
+    reason=f"{CPU_PIECE_MISSING}: TorchInductor's CPU code generation needs a C++ compiler",
 )
+
+needs_int4_kernel = pytest.mark.skipif(
+    not gguf_lowering.available(torch.device("cpu"), torch.float32),
+    reason=f"{CPU_PIECE_MISSING}: this torch build has no int4 CPU kernel",
+)
+
+
+def _missing_piece(report) -> str | None:
+    """The skip reason of a test skipped for a missing CPU piece (None for any other report)."""
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return None
+    reason = str(report.longrepr[2])
+    return reason if CPU_PIECE_MISSING in reason else None
+
+
+def pytest_report_teststatus(report, config):
+    if _missing_piece(report) is not None:
+        return "skipped: " + CPU_PIECE_MISSING, "m", "SKIPPED (" + CPU_PIECE_MISSING + ")"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    reasons = collections.Counter(_missing_piece(r) for r in terminalreporter.stats.get("skipped: " + CPU_PIECE_MISSING, []))
+    if reasons:
+        terminalreporter.write_sep("=", "proofs that did not run: " + CPU_PIECE_MISSING, yellow=True)
+        for reason, count in sorted(reasons.items()):
+            terminalreporter.write_line(f"{count} test{'s' * (count != 1)}: {reason.split(CPU_PIECE_MISSING + ': ', 1)[-1]}")
 
 
 def peaked_tiny_model():

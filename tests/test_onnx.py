@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import onnxruntime  # noqa: F401 (a test dependency: without it the run fails, never skips)
 import pytest
 import torch
 from conftest import NEW_TOKENS, at_once, padded, tiny_model, translated_once
@@ -17,7 +18,6 @@ from specpass.ir import RowsLayout, SlotLayout
 from specpass.passes import Pass, PassResult
 from specpass.passes.export import ExportGraph, ExportHook
 
-pytest.importorskip("onnxruntime")
 TREE = specpass.Pipeline(specpass.rewrites.TreeAttention(16))
 EXPORTED = ("llama", "qwen2", "mistral", "gemma2")  # biases, sliding windows, soft-capping and local/global layers
 # (Qwen3 and Gemma 3, q/k norms: exported and decoded on ORT by test_families.py through the CLI)

@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
+import hypothesis  # a test dependency: without it the run fails
 import pytest
 import torch
 import transformers
@@ -21,7 +22,6 @@ from specpass.drafters.stats import AcceptanceStats
 from specpass.drafters.tree import Candidate
 from specpass.rewrites import TreeAttention
 
-hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 CACHE = 64  # slots: a 20-token prompt, 24 new tokens and a 16-node tree fit
