@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.backends.lowering.registry import lower
-from specpass.backends.options import CompileOptions
-from specpass.errors import UnsupportedArchitectureError
-from specpass.ir import ArchSpec, SlotLayout, arch_of, is_captured_step
-from specpass.ir.families import MODELING_MODULES, SUPPORTED_ARCHITECTURES
-from specpass.passes import PassReport, Pipeline
+from .lowering.registry import lower
+from .options import CompileOptions
+from ..common.errors import UnsupportedArchitectureError
+from ..ir import ArchSpec, SlotLayout, arch_of, is_captured_step
+from ..ir.families import MODELING_MODULES, SUPPORTED_ARCHITECTURES
+from ..passes import PassReport, Pipeline
 
 
 def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from specpass.backends.lowering.registry import AUTO, LOWERINGS
-from specpass.drafters import Drafter, default_drafter
-from specpass.errors import InvalidParameterError
-from specpass.ir import ArchSpec
-from specpass.passes import Pipeline
-from specpass.rewrites import TreeAttention
+from .lowering.registry import AUTO, LOWERINGS
+from ..drafters import Drafter, default_drafter
+from ..common.errors import InvalidParameterError
+from ..ir import ArchSpec
+from ..passes import Pipeline
+from ..rewrites import TreeAttention
 
 
 

@@ -38,7 +38,7 @@ import specpass
 from specpass.research import prompts as P
 from specpass.backends.runtime.program import forget_programs
 from specpass.research.bench import run_identity, write_report
-from specpass.heads.train import generate_corpus
+from specpass.research.heads_training import generate_corpus
 from specpass.research.ladder_training import LadderTrainConfig, layer_parameters, recover_ladder
 from specpass.ir import RowsLayout, SlotLayout
 from specpass.rewrites import LadderResidual, TreeAttention

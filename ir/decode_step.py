@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpass.ir.arch import ArchSpec
-from specpass.ir.families import AttentionParts, LayerParts, ModelParts, Rotary
-from specpass.ir.ops import sliding_window_visibility, softcapped_attention, write_cache
+from .arch import ArchSpec
+from .families import AttentionParts, LayerParts, ModelParts, Rotary
+from .ops import sliding_window_visibility, softcapped_attention, write_cache
 
 
 class RotaryPositions(nn.Module):

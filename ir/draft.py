@@ -39,7 +39,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.ir.roles import META_KEY, NodeInfo, Role
+from .roles import META_KEY, NodeInfo, Role
 
 DRAFT_MODULE = "draft"  # the step's submodule holding the draft graph
 RESUME_MODULE = "resume"  # with a cache-sharing draft graph: the step's layers after the draft's (ir.split)

@@ -31,8 +31,8 @@ import copy
 import torch
 import torch.fx
 
-from specpass.ir import query
-from specpass.ir.roles import META_KEY, NodeInfo, Role, info
+from . import query
+from .roles import META_KEY, NodeInfo, Role, info
 
 EXIT_HIDDEN = "exit_hidden"  # the resume graph's input: the residual stream after the exit layer
 

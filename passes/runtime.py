@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specpass.ir.layout import RowsLayout
+from ..ir.layout import RowsLayout
 
 
 class RuntimeHook:

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of
-from specpass.ir.draft import ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
-from specpass.ir.roles import Role
-from specpass.passes.draft import DraftGraphPass
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of
+from ..ir.draft import ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
+from ..ir.roles import Role
+from ..passes.draft import DraftGraphPass
+from ..passes.export import ExportHook
 
 DRAFT_HEADS = "draft_heads"
 HEADS_KIND = "heads"  # the draft-graph kind drafters.Heads drives
@@ -50,7 +50,7 @@ class DraftHeads(DraftGraphPass):
     ensures = frozenset({DRAFT_HEADS})
 
     def __post_init__(self):
-        from specpass.heads.modules import KINDS
+        from ..heads.modules import KINDS
 
         if self.kind not in KINDS:
             raise InvalidParameterError(f"DraftHeads.kind must be one of {KINDS}, got {self.kind!r}")
@@ -58,7 +58,7 @@ class DraftHeads(DraftGraphPass):
             raise InvalidParameterError(f"DraftHeads.heads must be a directory or 'default', got {self.heads!r}")
 
     def directory(self) -> str:
-        from specpass.heads.io import shipped_heads
+        from ..heads.io import shipped_heads
 
         return shipped_heads(self.kind) if self.heads == "default" else self.heads
 
@@ -67,7 +67,7 @@ class DraftHeads(DraftGraphPass):
         return ExportHook()
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
-        from specpass.heads.io import model_mismatch, read_config
+        from ..heads.io import model_mismatch, read_config
 
         try:
             config = read_config(self.directory())
@@ -78,8 +78,8 @@ class DraftHeads(DraftGraphPass):
         return model_mismatch("heads", self.directory(), config.model, config.hidden_size, config.vocab_size, gm)
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
-        from specpass.heads.io import load_heads
-        from specpass.heads.modules import DraftStep
+        from ..heads.io import load_heads
+        from ..heads.modules import DraftStep
 
         lm_head, embed_tokens = gm.get_submodule("lm_head"), gm.get_submodule("embed_tokens")
         heads, config = load_heads(self.directory(), lm_head)
@@ -102,7 +102,7 @@ class DraftHeads(DraftGraphPass):
 
     @classmethod
     def config_from_dict(cls, data: dict):
-        from specpass.heads.modules import HeadsConfig
+        from ..heads.modules import HeadsConfig
 
         data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())))
         return HeadsConfig(**data)

@@ -40,16 +40,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.drafters.self_draft import EARLY_EXIT_KIND  # the draft-graph kind drafters.SelfDraft drives
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of, info
-from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, resume_graph
-from specpass.ir.roles import Role, annotate
-from specpass.ir.split import EXIT_HIDDEN, exit_graph
-from specpass.ir.split import resume_graph as cut_resume_graph
-from specpass.passes.draft import DraftGraphPass
-from specpass.rewrites.ladder_residual import laddered_layers
-from specpass.rewrites.tree_attention import TREE_ATTENTION
+from ..drafters.self_draft import EARLY_EXIT_KIND  # the draft-graph kind drafters.SelfDraft drives
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of, info
+from ..ir.draft import DraftGraphSpec, DraftTensor, draft_graph, resume_graph
+from ..ir.roles import Role, annotate
+from ..ir.split import EXIT_HIDDEN, exit_graph
+from ..ir.split import resume_graph as cut_resume_graph
+from ..passes.draft import DraftGraphPass
+from .ladder_residual import laddered_layers
+from .tree_attention import TREE_ATTENTION
 
 EARLY_EXIT = "early_exit"
 ADAPTER_KIND = "exit_adapter"  # the shipped adapter's directory under data/heads
@@ -86,7 +86,7 @@ class EarlyExit(DraftGraphPass):
             raise InvalidParameterError(f"EarlyExit.adapter must be a directory, 'default' or None, got {self.adapter!r}")
 
     def adapter_directory(self) -> str | None:
-        from specpass.heads.io import shipped_heads
+        from ..heads.io import shipped_heads
 
         return shipped_heads(ADAPTER_KIND) if self.adapter == "default" else self.adapter
 
@@ -99,8 +99,8 @@ class EarlyExit(DraftGraphPass):
         return None if self.adapter is None else self._check_adapter(gm)
 
     def _check_adapter(self, gm: torch.fx.GraphModule) -> str | None:
-        from specpass.heads.exit_adapter import read_exit_adapter_config
-        from specpass.heads.io import model_mismatch
+        from ..heads.exit_adapter import read_exit_adapter_config
+        from ..heads.io import model_mismatch
 
         directory = self.adapter_directory()
         try:
@@ -113,7 +113,7 @@ class EarlyExit(DraftGraphPass):
         return model_mismatch("exit adapter", directory, config.model, config.hidden_size, config.vocab_size, gm)
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
-        from specpass.heads.exit_adapter import load_exit_adapter
+        from ..heads.exit_adapter import load_exit_adapter
 
         draft = exit_graph(gm, self.layer, arch_of(gm).num_layers)
         if self.adapter is None:

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError, SpecpassError
-from specpass.ir import arch_of
-from specpass.ir.draft import DRAFT_STATES, ROWS, DraftGraphSpec, DraftTensor, add_step_output, draft_spec, step_output, trace_draft
-from specpass.ir.roles import Role, annotate
-from specpass.ir.split import layer_output
-from specpass.passes.draft import DraftGraphPass
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError, SpecpassError
+from ..ir import arch_of
+from ..ir.draft import DRAFT_STATES, ROWS, DraftGraphSpec, DraftTensor, add_step_output, draft_spec, step_output, trace_draft
+from ..ir.roles import Role, annotate
+from ..ir.split import layer_output
+from ..passes.draft import DraftGraphPass
+from ..passes.export import ExportHook
 
 FEATURE_DRAFT = "feature_draft"
 FEATURE_KIND = "feature"  # the draft-graph kind the feature drafter drives
@@ -57,7 +57,7 @@ class FeatureDraft(DraftGraphPass):
             raise InvalidParameterError(f"FeatureDraft.draft must be a directory or 'default', got {self.draft!r}")
 
     def directory(self) -> str:
-        from specpass.heads.io import shipped_heads
+        from ..heads.io import shipped_heads
 
         return shipped_heads("eagle") if self.draft == "default" else self.draft
 
@@ -66,7 +66,7 @@ class FeatureDraft(DraftGraphPass):
         return ExportHook()
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
-        from specpass.heads.io import model_mismatch, read_feature_config
+        from ..heads.io import model_mismatch, read_feature_config
 
         try:
             config = read_feature_config(self.directory())
@@ -85,8 +85,8 @@ class FeatureDraft(DraftGraphPass):
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
         """The draft graph and its spec; the verify graph gains its `features` output here too (it needs
         the loaded draft's fuse)."""
-        from specpass.heads.feature_draft import FeatureDraftStep
-        from specpass.heads.io import load_feature_draft
+        from ..heads.feature_draft import FeatureDraftStep
+        from ..heads.io import load_feature_draft
 
         layer = load_feature_draft(self.directory(), gm.get_submodule("lm_head"))
         config = layer.config
@@ -130,7 +130,7 @@ class FeatureDraft(DraftGraphPass):
 
     @classmethod
     def config_from_dict(cls, data: dict):
-        from specpass.heads.feature_draft import FeatureDraftConfig
+        from ..heads.feature_draft import FeatureDraftConfig
 
         data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())),
                     feature_layers=tuple(data["feature_layers"]))  # fmt: skip

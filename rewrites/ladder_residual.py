@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of
-from specpass.ir.draft import resume_graph
-from specpass.ir.query import residual_adds
-from specpass.ir.roles import info
-from specpass.passes.base import Pass, PassResult
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of
+from ..ir.draft import resume_graph
+from ..ir.query import residual_adds
+from ..ir.roles import info
+from ..passes.base import Pass, PassResult
+from ..passes.export import ExportHook
 
 LADDER_RESIDUAL = "ladder_residual"
 

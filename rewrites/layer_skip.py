@@ -38,15 +38,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import InvalidParameterError
-from specpass.ir import arch_of
-from specpass.ir.draft import DraftGraphSpec
-from specpass.ir.split import skip_graph
-from specpass.ir.split import resume_graph as cut_resume_graph
-from specpass.passes.draft import DraftGraphPass
-from specpass.rewrites.early_exit import EarlyExitConfig, resumable_spec, verify_draft_and_resume
-from specpass.rewrites.ladder_residual import laddered_layers
-from specpass.rewrites.tree_attention import TREE_ATTENTION
+from ..common.errors import InvalidParameterError
+from ..ir import arch_of
+from ..ir.draft import DraftGraphSpec
+from ..ir.split import skip_graph
+from ..ir.split import resume_graph as cut_resume_graph
+from ..passes.draft import DraftGraphPass
+from .early_exit import EarlyExitConfig, resumable_spec, verify_draft_and_resume
+from .ladder_residual import laddered_layers
+from .tree_attention import TREE_ATTENTION
 
 LAYER_SKIP = "layer_skip"
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from specpass.errors import SpecpassError
-from specpass.ir.layout import RowsLayout
-from specpass.passes.runtime import RuntimeHook
+from ..common.errors import SpecpassError
+from ..ir.layout import RowsLayout
+from ..passes.runtime import RuntimeHook
 
 
 def rank0_floats(values: Sequence[float]) -> tuple[float, ...]:

@@ -41,14 +41,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.errors import GraphVerificationError
-from specpass.ir import arch_of
-from specpass.ir.draft import draft_graph
-from specpass.ir.query import residual_adds
-from specpass.ir.roles import META_KEY, NodeInfo, info
-from specpass.passes.base import Pass, PassResult
-from specpass.rewrites.kv_eviction import EVICTION_META
-from specpass.rewrites.ladder_residual import laddered_layers
+from ..common.errors import GraphVerificationError
+from ..ir import arch_of
+from ..ir.draft import draft_graph
+from ..ir.query import residual_adds
+from ..ir.roles import META_KEY, NodeInfo, info
+from ..passes.base import Pass, PassResult
+from .kv_eviction import EVICTION_META
+from .ladder_residual import laddered_layers
 
 TENSOR_PARALLEL = "tensor_parallel"
 SHARDS = "tp"  # submodule holding the sharded linears
@@ -132,7 +132,7 @@ class TensorParallel(Pass):
 
     def runtime_hook(self, gm: torch.fx.GraphModule):
         """Every rank's loop in lockstep (rewrites.lockstep)."""
-        from specpass.rewrites.lockstep import Lockstep
+        from .lockstep import Lockstep
 
         return Lockstep()
 

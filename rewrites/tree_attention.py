@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of, is_captured_step, query
-from specpass.ir.layout import slot_visibility
-from specpass.ir.roles import Role, annotate, info, placeholder
-from specpass.passes.base import Pass, PassResult
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of, is_captured_step, query
+from ..ir.layout import slot_visibility
+from ..ir.roles import Role, annotate, info, placeholder
+from ..passes.base import Pass, PassResult
+from ..passes.export import ExportHook
 
 TREE_ATTENTION = "tree_attention"
 

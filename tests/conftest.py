@@ -82,8 +82,8 @@ def train_tiny_feature_draft(model, directory: str):
     random prompts, 4 held out, where the model is; saved to `directory`. Returns (corpus, held_out,
     directory, draft, its config, the losses)."""
     from specpass.heads.feature_draft import default_feature_layers
-    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
-    from specpass.heads.train import generate_corpus
+    from specpass.research.feature_training import FeatureTrainConfig, train_feature_draft
+    from specpass.research.heads_training import generate_corpus
 
     layers = default_feature_layers(4)
     gen = torch.Generator().manual_seed(0)

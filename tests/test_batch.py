@@ -15,7 +15,7 @@ from specpass.backends.runtime.decode import generate as decode
 from specpass.backends.options import CompileOptions
 from specpass.backends.runtime.program import SpeculativeProgram
 from specpass.drafters import Combined, Feature, Heads, PromptLookup, TokenRecycling
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 from specpass.ir import RowsLayout, SlotLayout
 from specpass.rewrites import EarlyExit, TreeAttention
 

@@ -11,8 +11,8 @@ from conftest import (
 import specpass
 from specpass.backends.onnx.export import export
 from specpass.drafters import SelfDraft
-from specpass.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
-from specpass.errors import PassPipelineError
+from specpass.common.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
+from specpass.common.errors import PassPipelineError
 from specpass.ir import capture, draft_spec, verify
 from specpass.ir.draft import RESUME_MODULE, draft_graph, resume_graph
 from specpass.rewrites import DraftHeads, EarlyExit, TreeAttention

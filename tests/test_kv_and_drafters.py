@@ -12,7 +12,7 @@ from specpass.drafters import (
     Candidate, Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, TargetForward, accept_greedy, build_tree,
     expected_tokens,
 )  # fmt: skip
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 
 
 def _verified(topk: torch.Tensor) -> TargetForward:

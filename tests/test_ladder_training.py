@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import specpass
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 from specpass.heads.io import HeadsMismatchError
-from specpass.heads.train import Continuation
+from specpass.research.heads_training import Continuation
 from specpass.ir import RowsLayout, SlotLayout
 from specpass.research.ladder_training import (LadderTrainConfig, coarse_kl, laddered_step, load_recovered, recover_ladder,
                                       save_recovered, sequence_logits)  # fmt: skip

@@ -181,7 +181,7 @@ def test_the_lowering_registry_is_the_one_list_of_lowerings_and_their_capabiliti
     lowerings it runs, and a batch is refused on a lowering the registry marks as one-row only."""
     from specpass.backends.lowering.registry import LOWERINGS
     from specpass.backends.options import CompileOptions
-    from specpass.errors import InvalidParameterError
+    from specpass.common.errors import InvalidParameterError
 
     for name in ("auto", *LOWERINGS):
         assert CompileOptions(lowering=name).lowering == name

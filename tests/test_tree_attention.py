@@ -3,7 +3,7 @@ import torch
 from conftest import tiny_model
 
 from specpass.drafters import DraftTree
-from specpass.errors import InvalidParameterError, PassMismatchError
+from specpass.common.errors import InvalidParameterError, PassMismatchError
 from specpass.ir import Role, RowsLayout, SlotLayout, capture, info, query
 from specpass.ir.layout import slot_visibility
 from specpass.ir.roles import placeholder

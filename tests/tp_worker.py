@@ -74,7 +74,7 @@ def refusals() -> None:
     """Where the pass must not apply, with W = 2: the reason, and the graph unchanged."""
     import transformers
 
-    from specpass.errors import PassMismatchError
+    from specpass.common.errors import PassMismatchError
 
     three_kv = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,

@@ -39,11 +39,11 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.eager import EagerStep
-from specpass.errors import InvalidParameterError
-from specpass.backends.lowering.inductor import dense_row_major, inplace_cache_writes, require_cpp_compiler
-from specpass.ir.layout import SlotLayout
-from specpass.user_cache import cache_dir
+from .eager import EagerStep
+from ...common.errors import InvalidParameterError
+from .inductor import dense_row_major, inplace_cache_writes, require_cpp_compiler
+from ...ir.layout import SlotLayout
+from ...common.user_cache import cache_dir
 
 KEPT_PACKAGES = 4  # of one lowering, the most recently used: each holds its weights (300 MB for the default model)
 PACKAGE_FORMAT = 1  # bump when what a package holds or how it is built changes

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from specpass.ir.layout import SlotLayout, padded_mask
+from ...ir.layout import SlotLayout, padded_mask
 
 KV_BUCKET = 256
 

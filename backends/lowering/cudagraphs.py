@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from specpass.backends.lowering.buckets import kv_bucket, tree_bucket
-from specpass.ir.layout import RowsLayout, SlotLayout
+from .buckets import kv_bucket, tree_bucket
+from ...ir.layout import RowsLayout, SlotLayout
 
 
 def capture(run, static: dict, pool) -> tuple[torch.cuda.CUDAGraph, tuple]:

@@ -20,9 +20,9 @@ import itertools
 
 import torch
 
-from specpass.backends.lowering.buckets import tree_bucket
-from specpass.backends.lowering.cudagraphs import capture
-from specpass.ir.draft import ROWS, DraftGraphSpec
+from .buckets import tree_bucket
+from .cudagraphs import capture
+from ...ir.draft import ROWS, DraftGraphSpec
 
 
 def named_sizes(spec: DraftGraphSpec, inputs: dict) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from specpass.ir.layout import RowsLayout, SlotLayout
+from ...ir.layout import RowsLayout, SlotLayout
 
 
 class EagerStep:

@@ -36,9 +36,9 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.derived_cache import DerivedCache
-from specpass.ir import copy_step
-from specpass.ir.roles import META_KEY, NodeInfo, Role
+from .derived_cache import DerivedCache
+from ...ir import copy_step
+from ...ir.roles import META_KEY, NodeInfo, Role
 
 QKV_ROLES = {Role.Q, Role.K, Role.V}
 

@@ -30,10 +30,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.gguf_blocks import BLOCK, BlockWeight, match_blocks
-from specpass.errors import InvalidParameterError
-from specpass.ir import arch_of, copy_step, replace_node
-from specpass.ir.capture import GGUF_META
+from .gguf_blocks import BLOCK, BlockWeight, match_blocks
+from ...common.errors import InvalidParameterError
+from ...ir import arch_of, copy_step, replace_node
+from ...ir.capture import GGUF_META
 
 # A greedy flip needs the float32 top-2 logit gap below the sum of the two logits' errors. Measured on
 # the default model (8 tuning prompts, 503 positions, docs/experiments.md "GGUF lowering"): the lowering's

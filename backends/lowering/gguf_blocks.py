@@ -32,8 +32,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.gguf_index import read_index
-from specpass.errors import InvalidParameterError
+from .gguf_index import read_index
+from ...common.errors import InvalidParameterError
 
 BLOCK = 32
 # block type name -> bytes per block (float16 constants, then the codes)

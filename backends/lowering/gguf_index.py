@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specpass.errors import InvalidParameterError
+from ...common.errors import InvalidParameterError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -32,10 +32,10 @@ import torch
 import torch.fx
 from torch._prims_common import make_contiguous_strides_for
 
-from specpass.backends.lowering.eager import EagerStep
-from specpass.errors import InvalidParameterError
-from specpass.ir import copy_step
-from specpass.ir.query import cache_writes
+from .eager import EagerStep
+from ...common.errors import InvalidParameterError
+from ...ir import copy_step
+from ...ir.query import cache_writes
 
 
 class InductorStep(EagerStep):

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from specpass.backends.kernels.linear import available  # noqa: F401 (where the lowering applies)
-from specpass.backends.lowering.derived_cache import DerivedCache
+from ..kernels.linear import available  # noqa: F401 (where the lowering applies)
+from .derived_cache import DerivedCache
 
 _PACKED: DerivedCache[torch.Tensor] = DerivedCache()  # weight -> its packed form
 

@@ -20,15 +20,15 @@ from typing import Protocol
 import torch
 import torch.fx
 
-from specpass.backends.kernels.kernel_set import use_kernels
-from specpass.backends.lowering import onednn
-from specpass.backends.lowering.draft_buckets import CudaGraphDraft
-from specpass.backends.lowering.eager import EagerStep
-from specpass.backends.lowering.fuse_projections import fuse_projections
-from specpass.backends.lowering.gguf import gguf_planes, pack_gguf_linears
-from specpass.errors import InvalidParameterError
-from specpass.ir.draft import draft_graph, draft_spec, resume_graph
-from specpass.ir.layout import RowsLayout
+from ..kernels.kernel_set import use_kernels
+from . import onednn
+from .draft_buckets import CudaGraphDraft
+from .eager import EagerStep
+from .fuse_projections import fuse_projections
+from .gguf import gguf_planes, pack_gguf_linears
+from ...common.errors import InvalidParameterError
+from ...ir.draft import draft_graph, draft_spec, resume_graph
+from ...ir.layout import RowsLayout
 
 
 class Step(Protocol):
@@ -93,7 +93,7 @@ def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     rotary, residual adds and cache writes around the int4 GEMMs fused, no Python per op, one package on
     disk for every tree size. Attention and the linears without GGUF blocks are the kernel set's, as
     custom ops inside the package (on the weights as they are: inductor takes no oneDNN-packed ones)."""
-    from specpass.backends.lowering.aot_compiled import AotCompiledStep
+    from .aot_compiled import AotCompiledStep
 
     return AotCompiledStep(use_kernels(pack_gguf_linears(gm, ctx.planes), compiled=True), kind="gguf-compiled")
 
@@ -101,11 +101,11 @@ def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
 def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     """q|k|v and gate|up as one GEMM each (fewer kernels, backends.lowering.fuse_projections); replayed in CUDA
     graphs on CUDA."""
-    from specpass.backends.lowering.inductor import InductorStep
+    from .inductor import InductorStep
 
     if ctx.device.type != "cuda":  # the CPU kernel set's attention and linears as custom ops inside
         return InductorStep(use_kernels(fuse_projections(gm), compiled=True))
-    from specpass.backends.lowering.cudagraphs import CudaGraphStep
+    from .cudagraphs import CudaGraphStep
 
     return CudaGraphStep(InductorStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
 
@@ -113,7 +113,7 @@ def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
 def _cudagraphs(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     if ctx.device.type != "cuda":
         raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {ctx.device}")
-    from specpass.backends.lowering.cudagraphs import CudaGraphStep
+    from .cudagraphs import CudaGraphStep
 
     return CudaGraphStep(EagerStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
 

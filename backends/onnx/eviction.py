@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from specpass.backends.onnx.ort import ort_session, run_bound
-from specpass.rewrites.kv_eviction import KVEviction
-from specpass.rewrites.kv_eviction.export import state_names
-from specpass.rewrites.kv_eviction.runtime import Eviction
+from .ort import ort_session, run_bound
+from ...rewrites.kv_eviction import KVEviction
+from ...rewrites.kv_eviction.export import state_names
+from ...rewrites.kv_eviction.runtime import Eviction
 
 
 class OrtEviction(Eviction):

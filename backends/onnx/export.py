@@ -22,6 +22,7 @@ checked, so an interrupted export never leaves a directory that looks complete.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import logging
@@ -35,15 +36,15 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.onnx.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
-from specpass.backends.onnx.draft import export_draft
-from specpass.backends.onnx.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, check_against_torch, ort_session
-from specpass.errors import ExportError, SpecpassError
-from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
-from specpass.ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
-from specpass.passes import Pass, Pipeline
-from specpass.passes.export import ExportGraph, ExportHook
-from specpass.rewrites.kv_eviction import EVICTION_META
+from .kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
+from .draft import export_draft
+from .ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, check_against_torch, ort_session
+from ...common.errors import ExportError, SpecpassError
+from ...ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
+from ...ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
+from ...passes import Pass, Pipeline
+from ...passes.export import ExportGraph, ExportHook
+from ...rewrites.kv_eviction import EVICTION_META
 
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -86,7 +87,7 @@ def export_hooks(pipeline: Pipeline, rewritten: torch.fx.GraphModule, dtype: tor
 
 
 def _exportable_types() -> list[type]:
-    from specpass.passes import known_passes
+    from ...passes import known_passes
 
     return [t for t in known_passes().values() if t.export_hook is not Pass.export_hook]
 
@@ -149,8 +150,11 @@ def export(
     to `out_dir` (see module docstring). The model's dtype (float32 or float16) is the exported dtype."""
     from tqdm.auto import tqdm
 
-    from specpass.backends.options import default_pipeline
+    from ..options import default_pipeline
 
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing and (check or missing != ["onnxruntime"]):  # onnxruntime runs the check only
+        raise ExportError(f"the ONNX export needs {' and '.join(missing)}: pip install 'specpass[onnx]'")
     pipeline = pipeline if pipeline is not None else default_pipeline(arch_spec(model))
 
     dtype = next(model.parameters()).dtype

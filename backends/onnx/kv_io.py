@@ -32,12 +32,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from specpass.errors import PassMismatchError
-from specpass.ir import copy_step, info, query
-from specpass.ir.layout import past_and_tree_visibility
-from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from specpass.ir.roles import Role, annotate, placeholder
-from specpass.rewrites.kv_eviction import ops as eviction_ops
+from ...common.errors import PassMismatchError
+from ...ir import copy_step, info, query
+from ...ir.layout import past_and_tree_visibility
+from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
+from ...ir.roles import Role, annotate, placeholder
+from ...rewrites.kv_eviction import ops as eviction_ops
 
 INPUTS = ("input_ids", "positions", "past_keys", "past_values", "past_mask", "tree_mask")
 KV_OUTPUTS = ("new_keys", "new_values")

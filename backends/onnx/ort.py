@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specpass.errors import DamagedFileError, ExportError, SpecpassError
+from ...common.errors import DamagedFileError, ExportError, SpecpassError
 
 MANIFEST_VERSION = 2  # 2: the draft graph's entry is its DraftGraphSpec (ir.draft)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on an export's check, or:
@@ -26,14 +26,14 @@ def ort_session(onnx_path: str, device: torch.device, cuda_graphs: bool = False)
         import onnxruntime as ort
     except ImportError as exc:
         raise SpecpassError(
-            "the ONNX Runtime backend needs onnxruntime: pip install 'specpass[cpu]' (or 'specpass[gpu]' for CUDA)"
+            "the ONNX Runtime backend needs onnxruntime: pip install 'specpass[onnx]' (or 'specpass[onnx-gpu]' for CUDA)"
         ) from exc
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise SpecpassError("the CUDA EP is not available: install onnxruntime-gpu ('specpass[gpu]')")
+            raise SpecpassError("the CUDA EP is not available: install onnxruntime-gpu ('specpass[onnx-gpu]')")
         cuda = {"device_id": device.index or 0, "enable_cuda_graph": "1" if cuda_graphs else "0",
                 "use_tf32": "0"}  # float32 stays float32 (torch's default for matmuls too): exact greedy
         providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]

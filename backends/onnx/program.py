@@ -33,19 +33,19 @@ from collections.abc import Sequence
 
 import torch
 
-from specpass.backends.lowering.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
-from specpass.backends.onnx.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
-from specpass.backends.onnx.draft import OrtDraft
-from specpass.backends.onnx.eviction import OrtEviction
-from specpass.backends.onnx.ort import bind, ort_session, read_manifest, run_binding, run_bound
-from specpass.backends.runtime.invariance import check_invariance
-from specpass.backends.runtime.program import DecodeProgram
-from specpass.drafters import Drafter, default_drafter
-from specpass.errors import InvalidParameterError, SpecpassError
-from specpass.ir.draft import DRAFT_STATES
-from specpass.ir.layout import RowsLayout, SlotLayout
-from specpass.passes import Pipeline
-from specpass.rewrites.kv_eviction import KVEviction
+from ..lowering.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
+from .kv_io import KV_OUTPUTS, QUERIES_OUTPUT
+from .draft import OrtDraft
+from .eviction import OrtEviction
+from .ort import bind, ort_session, read_manifest, run_binding, run_bound
+from ..runtime.invariance import check_invariance
+from ..runtime.program import DecodeProgram
+from ...drafters import Drafter, default_drafter
+from ...common.errors import InvalidParameterError, SpecpassError
+from ...ir.draft import DRAFT_STATES
+from ...ir.layout import RowsLayout, SlotLayout
+from ...passes import Pipeline
+from ...rewrites.kv_eviction import KVEviction
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16}
 

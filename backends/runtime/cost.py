@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.ir.layout import SlotLayout
+from ...ir.layout import SlotLayout
 
 
 @dataclass(frozen=True)

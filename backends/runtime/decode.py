@@ -29,16 +29,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from specpass.backends.runtime.acceptance import accept_rows
-from specpass.backends.runtime.generation import BatchGeneration, check_rows, padded_sequences
-from specpass.backends.runtime.guard import one_generation_at_a_time
-from specpass.backends.runtime.program import DecodeProgram
-from specpass.backends.runtime.sampling import TargetChoice
-from specpass.backends.runtime.sequence import CacheCursor, SequenceState
-from specpass.drafters import RootsOnly, RowsDrafting, VerifiedRows, rows_drafting
-from specpass.drafters.tree_rows import TreeRows, first_branches
-from specpass.errors import InvalidParameterError
-from specpass.ir.layout import RowsLayout
+from .acceptance import accept_rows
+from .generation import BatchGeneration, check_rows, padded_sequences
+from .guard import one_generation_at_a_time
+from .program import DecodeProgram
+from .sampling import TargetChoice
+from .sequence import CacheCursor, SequenceState
+from ...drafters import RootsOnly, RowsDrafting, VerifiedRows, rows_drafting
+from ...drafters.tree_rows import TreeRows, first_branches
+from ...common.errors import InvalidParameterError
+from ...ir.layout import RowsLayout
 
 PREFILL_LOGITS_BYTES = 256 * 2**20  # a prefill forward's float32 logits [B, T, V] stay within this
 MIN_DRAFTED = 4  # the fewest nodes a row drafts under the cost budget (the tree grows from there by doubling)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.errors import CacheCapacityError, InvalidParameterError
+from ...common.errors import CacheCapacityError, InvalidParameterError
 
 
 @dataclass(frozen=True)

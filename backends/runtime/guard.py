@@ -26,7 +26,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-from specpass.errors import StaleProgramError
+from ...common.errors import StaleProgramError
 
 
 class WeightsFingerprint:

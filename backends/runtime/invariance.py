@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.ir.layout import RowsLayout, SlotLayout
+from ...ir.layout import RowsLayout, SlotLayout
 
 PROMPT = 45  # tokens of the first prompt (odd, and large enough that elementwise ops split it over threads)
 OTHER_PROMPT = 6  # of the second row's prompt

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from specpass.drafters.tree import DraftTree
+from ...drafters.tree import DraftTree
 
 
 NodeLaw = Callable[[int], np.ndarray]  # node -> the target's processed distribution after it, [V] float64

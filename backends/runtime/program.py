@@ -16,21 +16,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specpass.backends.runtime import cost
-from specpass.backends.compile import specpass_backend
-from specpass.backends.kernels.kernel_set import kernel_set
-from specpass.backends.runtime.guard import ProgramGuard
-from specpass.backends.runtime.invariance import InvarianceCheck, check_invariance
-from specpass.backends.runtime.kv import compact, keep_rows
-from specpass.backends.lowering.registry import LOWERINGS
-from specpass.backends.options import CompileOptions, check_budget
-from specpass.drafters import Drafter
-from specpass.errors import InvalidParameterError
-from specpass.passes import PassReport
-from specpass.passes.runtime import RuntimeHook
-from specpass.ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
-from specpass.ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
-from specpass.ir.split import EXIT_HIDDEN
+from . import cost
+from ..compile import specpass_backend
+from ..kernels.kernel_set import kernel_set
+from .guard import ProgramGuard
+from .invariance import InvarianceCheck, check_invariance
+from .kv import compact, keep_rows
+from ..lowering.registry import LOWERINGS
+from ..options import CompileOptions, check_budget
+from ...drafters import Drafter
+from ...common.errors import InvalidParameterError
+from ...passes import PassReport
+from ...passes.runtime import RuntimeHook
+from ...ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
+from ...ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
+from ...ir.split import EXIT_HIDDEN
 
 COST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # interpolated between: a step's cost is near linear in T
 # Per process, by what they depend on (`step_signature`): a lowered step's kernels and shapes, not its

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.errors import InvalidParameterError
+from ...common.errors import InvalidParameterError
 
 _MASK64 = (1 << 64) - 1
 ACCEPTANCE = ("auto", "match")

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specpass.backends.runtime.generation import GenerationStats
-from specpass.backends.runtime.multi_candidate import accept_drawn, node_laws
-from specpass.backends.runtime.sampling import TargetChoice
-from specpass.drafters import DraftTree, TargetForward
-from specpass.ir.layout import SlotLayout
+from .generation import GenerationStats
+from .multi_candidate import accept_drawn, node_laws
+from .sampling import TargetChoice
+from ...drafters import DraftTree, TargetForward
+from ...ir.layout import SlotLayout
 
 
 @dataclass

@@ -37,13 +37,13 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of, model_parts, query
-from specpass.ir.draft import resume_graph
-from specpass.ir.roles import Role, annotate
-from specpass.passes.base import CAPTURED, Pass, PassResult
-from specpass.rewrites.kv_eviction import ops
-from specpass.rewrites.tree_attention import TREE_ATTENTION
+from ...common.errors import GraphVerificationError, InvalidParameterError
+from ...ir import arch_of, model_parts, query
+from ...ir.draft import resume_graph
+from ...ir.roles import Role, annotate
+from ...passes.base import CAPTURED, Pass, PassResult
+from . import ops
+from ..tree_attention import TREE_ATTENTION
 
 KV_EVICTION = "kv_eviction"
 EVICTION_META = "specpass_eviction"  # gm.meta key holding the eviction pass that rewrote the step
@@ -161,13 +161,13 @@ class KVEviction(Pass):
 
     def runtime_hook(self, gm: torch.fx.GraphModule):
         """The policy's graphs run after each commit (rewrites.kv_eviction.runtime.GraphEviction)."""
-        from specpass.rewrites.kv_eviction.runtime import GraphEviction
+        from .runtime import GraphEviction
 
         return GraphEviction(gm, gm.meta[EVICTION_META])
 
     def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype):
         """The policy's graphs beside the exported step (rewrites.kv_eviction.export)."""
-        from specpass.rewrites.kv_eviction.export import eviction_export
+        from .export import eviction_export
 
         return eviction_export(gm.meta[EVICTION_META], attention_scales(gm), arch, dtype)
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specpass.passes.export import ExportGraph, ExportHook
-from specpass.rewrites.kv_eviction.ops import evicted, observed
+from ...passes.export import ExportGraph, ExportHook
+from .ops import evicted, observed
 
 OBSERVE_FILE, EVICT_FILE = "observe.onnx", "evict.onnx"
 MANIFEST_KEY = "eviction"

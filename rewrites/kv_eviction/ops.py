@@ -29,9 +29,9 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from specpass.ir.roles import Role, annotate
-from specpass.rewrites.kv_eviction.scores import accepted_attention, gumbel_noise, keep_slots
+from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
+from ...ir.roles import Role, annotate
+from .scores import accepted_attention, gumbel_noise, keep_slots
 
 QUERIES = "kv_queries"
 SCORES = "kv_scores"

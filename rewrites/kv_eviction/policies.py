@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.errors import InvalidParameterError
-from specpass.rewrites.kv_eviction.base import KVEviction, check_int
-from specpass.rewrites.kv_eviction.scores import decayed_sum, pooled
+from ...common.errors import InvalidParameterError
+from .base import KVEviction, check_int
+from .scores import decayed_sum, pooled
 
 
 def _recent(slots: int, count: int) -> torch.Tensor:

@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from specpass.ir.layout import RowsLayout
-from specpass.passes.runtime import RuntimeHook
-from specpass.rewrites.kv_eviction.ops import QUERIES, SCORES, WINDOW_QUERIES
+from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
+from ...ir.layout import RowsLayout
+from ...passes.runtime import RuntimeHook
+from .ops import QUERIES, SCORES, WINDOW_QUERIES
 
 PER_ROW = ("k_cache", "v_cache", SCORES, QUERIES, WINDOW_QUERIES)  # buffers with a row axis (axis 1)
 KEPT_ACROSS_STEPS = (SCORES, WINDOW_QUERIES)  # per-row state that must follow its row in keep_rows
