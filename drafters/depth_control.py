@@ -1,30 +1,15 @@
 """Adaptive self-drafting: each step, how deep a chain the early-exit draft should run, 0 meaning off
-(DEL-style: choose by expected tokens per second, from measured acceptance and measured cost).
+(DEL-style: by expected tokens per second, from measured acceptance and measured cost).
 
-The model of a step with a chain of depth d (d draft calls and one more for the last token's states):
+    tokens(d) = rest_tokens + sum_{i=1..d} prod_{j<=i} a_j      seconds(d) = rest_on + (d + 1) * call_seconds
+    tokens(0) = tokens_off                                      seconds(0) = rest_off
 
-    tokens(d)  = rest_tokens + sum_{i=1..d} prod_{j<=i} a_j      seconds(d) = rest_on + (d + 1) * call_seconds
-    tokens(0)  = tokens_off                                      seconds(0) = rest_off
-
-a_j: P(the chain's j-th token is accepted | the one before it was), the session's running acceptance
-rates. call_seconds: a draft call's measured wall time. rest_on / rest_off: the rest of a step with
-the chain on / off (the verify forward, the other drafters, acceptance, bookkeeping), measured as the
-time between two steps minus this session's draft calls. They differ: a chain verified by resuming
-runs only the layers above the exit, whose lower layers the draft calls already ran; until both are
-measured, one is estimated from the other (off = on + one call when the steps resumed, else the
-same). rest_tokens: tokens a step with the chain on emits that the chain did not give (the bonus
-token, other drafters' accepted nodes); tokens_off: tokens a step emits with the chain off (more than
-rest_tokens when other drafters propose what the chain would have: their tokens count as the
-chain's when it is on); until measured, the one is taken for the other. All are running averages
-over the generation's steps.
-
-The controller picks the d in [0, max_depth] with the most tokens per second. Both arms are measured,
-not assumed: the first step drafts a full chain, the second drafts nothing, and while on it takes one
-step off every `probe_every` steps (a chain can look useful only because other drafters would have
-given its tokens anyway). While off it has no fresh acceptance outcomes, so after `probe_every` steps
-off it drafts one token (a probe, two draft calls) and lets the outcome decide again; each probe that
-leaves it off doubles the wait (up to 64 steps), so a drafter that never pays costs little, and
-self-drafting turns back on when the text becomes predictable.
+a_j: the running acceptance rate of the chain's j-th token given the one before; call_seconds: a draft
+call's wall time; rest_on / rest_off: the rest of a step with the chain on / off (they differ: a resumed
+verify skips the layers below the exit); rest_tokens / tokens_off: tokens a step emits besides the chain
+/ with it off. All are running averages; until both arms are measured, one is estimated from the other.
+Both arms are measured, never assumed: one step off every `probe_every` on; while off, a one-token probe
+after `probe_every` steps, the wait doubling (up to LONGEST_WAIT) after each probe that leaves it off.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Feature-draft candidates for the tree (EAGLE-2's dynamic tree over an EAGLE-3 style draft layer,
 rewrites.FeatureDraft).
 
-The verify step returns, for every token it ran, the draft's fused features of it (the step's declared
-`features` output, which the program hands the drafters as `hidden`). Each session (one row) keeps the
-draft's own KV cache of the verified prefix: step 0 of the draft at every committed position s, reading
-its features and the embedding of x[s+1] (heads.feature_draft). A verify step's accepted path is
-appended lazily, by the next drafting, whose last output predicts the children of the next root.
-
-Drafting a tree: depth 1 is the top-k of that prediction. Depth d + 1 expands the `beam` likeliest
-depth-d paths (by the product of their draft probabilities, EAGLE-2) in one draft call: each path's last
-token at position P + d - 1 (P: the root's position), reading its parent's output state and attending to
-the prefix cache and to its own ancestors' keys (a tree mask over the draft's cache). Every expanded
-path contributes its top-k children as candidates, scored by their draft probability calibrated per
-depth against what the target accepts (`stats.ProbabilityCalibration`), so the best-first builder keeps
-the likeliest nodes overall (EAGLE-2's reranking) and merges them with other drafters' proposals in one
-tree.
-
-Rows at once (`FeatureSession.draft_rows`): a batch's sessions append and expand in the same draft
-calls, 1 + (depth - 1) a step for all rows: each row's cache right-padded to the longest, the padding
-masked out, each row at its own positions. A row drafted alone runs the same code with one row.
+Each session (one row) keeps the draft's KV cache of the verified prefix (step 0 at every committed
+position, from the step's declared features output); a verify step's accepted path is appended lazily,
+by the next drafting, whose last output predicts the next root's children (depth 1: their top-k). Depth
+d + 1 expands the `beam` likeliest depth-d paths (product of draft probabilities) in one draft call, each
+attending to the prefix cache and its own ancestors' keys. Every expanded path offers its top-k
+children, scored by draft probability calibrated per depth against what the target accepts, so the
+best-first builder keeps the likeliest nodes overall and merges them with other drafters'. Rows at once
+(`FeatureSession.draft_rows`): a batch's sessions append and expand in the same calls, each row's cache
+right-padded to the longest with the padding masked; a row alone runs the same code.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """Draft-head candidates for the tree: Medusa and Hydra heads (rewrites.DraftHeads) as a drafter.
 
-After every verify step the session runs the program's draft graph on the hidden state of the last
-accepted token t; the next tree's root is the target's own next token x[t+1], and head d proposes
-depth d.
-
-* Medusa: one draft call, head d's top-k at depth d under every depth d-1 node (the heads do not see
-  the drafted tokens).
-* Hydra: depth by depth, head d runs on the `beam` most probable depth d-1 nodes with their path's
-  tokens, one batched draft call per depth.
-
-Tree: "dynamic" scores a candidate with the head's softmax probability, calibrated per head during
-the generation against what the target accepted (`stats.ProbabilityCalibration`), so the tree grows
-by cumulative draft probability (DySpec / EAGLE-2 style) and competes with the other drafters'
-estimates on one scale; "static" scores it with the acceptance rate of its depth and rank, which
-starts at the head's measured accuracy (heads.json) and follows what the target accepts
-(`HeadStats`), so the tree's shape depends on those rates only, not on the hidden state. Alone, with
-such per-(depth, rank) probabilities, the best-first builder builds the sparse tree of largest expected
-accepted length for each budget (Medusa's "medusa choices", chosen rather than hand-written; checked
-in tests/test_heads.py). For Hydra that holds among the drafted paths: with a beam narrower than the
-budget, depth d + 1 is drafted only under the `beam` best depth-d paths (the shipped Hydra heads'
-optimum needs a wider beam from 49 nodes on). Both compete with other drafters' candidates in one tree.
-
-Drawn candidates (`temperature` set): each head's candidates are drawn without replacement from its
-softmax at that temperature (Gumbel-top-k, in draw order), and carry that law (tree.Drawn), so a
-sampling decode loop accepts them by the multi-candidate rule (backends.runtime.multi_candidate) instead of
-sample-and-match. A draw is scored by the acceptance rate of its depth and rank (the static tree),
-made non-increasing in rank, so the tree keeps the first draws of every law and never decides on a
-draw by the token it turned out to be; the rule's losslessness rests on both. Medusa's nodes of one
-depth share one draw (the rule follows one node per depth); Hydra draws per path.
+After every verify step the session runs the draft graph on the last accepted token's hidden state; head
+d proposes depth d. Medusa: one call, head d's top-k under every depth d-1 node. Hydra: one call per
+depth, on the `beam` likeliest depth d-1 paths with their tokens. "dynamic" scores a candidate by the
+head's probability, calibrated against what the target accepts; "static" by the acceptance rate of its
+(depth, rank), from heads.json and updated as the target accepts, which makes the best-first tree the one
+of largest expected accepted length (tests/test_heads.py). With `temperature`, candidates are drawn
+without replacement (Gumbel-top-k) and carry their law (tree.Drawn) for the multi-candidate rule: a draw
+is scored by its rank only, so the tree keeps the first draws of every law and never decides on a draw
+by its token. Medusa's nodes of one depth share one draw; Hydra draws per path.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 tree over prompt lookup and Token Recycling (numba, compiled on first call and cached on disk).
 
 Why compiled: drafting is per-row, per-node work (a heap, a table lookup, a sibling check per
-candidate). In Python it cost about 0.35 ms a row a step, as much as the whole forward of a small
-model at B = 32; array operations over rows pay their dispatch per tree depth instead and were no
-faster on the trees the loop drafts (docs/experiments.md). vLLM's n-gram proposer is compiled the same way.
+candidate). In Python it cost as much as the whole forward of a small model at B = 32; array operations
+over rows pay their dispatch per tree depth instead and were no faster on the trees the loop drafts
+(docs/experiments.md, "Drafting every row at once"). vLLM's n-gram proposer is compiled the same way.
 
 `build_trees` is `drafters.tree.build_tree` over the sources prompt lookup then Token Recycling, for
 every row: the same candidates in the same order, the same scores, merges and ties, so a row's tree

@@ -1,21 +1,13 @@
 """Self-drafting: a greedy chain from the model's own layers (the EarlyExit or LayerSkip draft graph).
 
-Each step, the session runs the draft graph once per chain node, one token at a time, in the node's
-own tree slot: the root (the last committed token) at slot `committed`, its drafted child at
-`committed + 1`, ... Every call writes that token's K/V of the layers below the exit into the shared
-cache and returns the exit's logits (the next chain token: their argmax) and the residual stream
-after the exit layer. The verify step then resumes from those states (`precomputed`), so layers
-below the exit run once per token, not again in verification.
-
-A chain of depth d costs d + 1 draft calls: the last one only computes the states of the last drafted
-token, so the verify step can resume the whole chain. The chain is proposed with running acceptance
-rates per depth; it needs the program's pipeline to hold `rewrites.EarlyExit` (the first layers and an
-exit) or `rewrites.LayerSkip` (the step with layers left out, verified from the first one left out).
-
-With `adaptive`, the chain's depth is chosen anew each step, up to `depth`, by expected tokens per
-second from the measured acceptance and the measured cost of a draft call and of the rest of a step,
-0 (no draft call at all) when self-drafting does not pay; it probes again every few steps off
-(drafters.depth_control). Without it, every step drafts `depth` tokens.
+Each step the session runs the draft graph once per chain node, one token at a time, in the node's own
+tree slot (the root at `committed`, its child at `committed + 1`, ...): each call writes the token's K/V
+of the layers below the exit and returns the exit's logits and `exit_hidden`. A chain of depth d costs
+d + 1 calls (the last only computes the last token's states), so the verify step resumes the whole
+chain from those states (`precomputed`) and the layers below the exit run once per token. With
+`adaptive` the depth is chosen anew each step, 0 when self-drafting does not pay
+(drafters.depth_control); without it every step drafts `depth` tokens. Needs rewrites.EarlyExit or
+rewrites.LayerSkip in the program's pipeline.
 """
 
 from __future__ import annotations

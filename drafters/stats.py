@@ -31,9 +31,8 @@ class ProbabilityCalibration:
     calibrated(key, p) = min(p * ratio, 1), where ratio = (accepted + strength) / (drafted mass + strength)
     over the drafts of that key whose probability fell in p's decile: accepted drafts against the
     probability the drafter gave them. It starts at 1 (trust the drafter) and moves as outcomes come
-    in. Measured on the default model's Hydra heads (12 HumanEval prompts, 64-node trees): the first
-    head's drafts at p 0.3-0.75 were accepted about 0.6x as often as p says; the deeper heads' about
-    as often as p says.
+    in: the heads' raw probabilities are overconfident (docs/experiments.md, "Calibration of the heads'
+    probabilities").
     """
 
     def __init__(self, bins: int = 10, strength: float = 2.0):

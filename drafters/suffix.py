@@ -1,16 +1,12 @@
 """Suffix drafting (SuffixDecoding): continuations of the longest match of the sequence's last tokens in a
-suffix structure over the current prompt and output and over earlier generations of the same program.
+suffix trie over the current prompt and output and earlier generations of the same program.
 
-The structure is a suffix trie cut at `depth` tokens: every substring of up to `depth` tokens of every
-stored sequence is a path from the root, each node counting how often its substring occurs. It grows
-online (a new token extends the at most `depth` substrings that end at it) and shrinks the same way
-when the oldest stored sequence is evicted (past `max_tokens` stored tokens). It is the drafter's
-memory across generations (`new_memory`, `forget()`), as Token Recycling's table is.
-
-Drafting follows SuffixDecoding: match the longest suffix of the sequence (up to `max_match` tokens) in
-the trie, then grow the tree from the matched node through its children, each scored by its frequency
-relative to its parent (`count(child) / count(node)`), at most `max_spec_factor` x the match length
-deep (a longer match is trusted further).
+The trie is cut at `depth` tokens: every substring of up to `depth` tokens of every stored sequence is a
+path from the root, each node counting its occurrences. It grows online (a new token extends the at most
+`depth` substrings ending at it) and shrinks the same way when the oldest sequence is evicted (past
+`max_tokens`); it is the drafter's memory across generations, as Token Recycling's table is. Drafting:
+match the longest suffix (up to `max_match` tokens), then grow the tree through the matched node's
+children, each scored by count(child) / count(node), at most `max_spec_factor` x the match length deep.
 """
 
 from __future__ import annotations

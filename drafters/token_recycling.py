@@ -1,16 +1,11 @@
 """Token Recycling: reuse the target's own top-k candidates from earlier verify steps as drafts.
 
 After every verify step the target's top-k next tokens at each tree node are kept as that token's
-successors (the paper's adjacency matrix, warm-started from the prompt's prefill logits); the tree
-grows through those successors, ranked by the measured acceptance rate of each rank.
-
-specpass keeps the successors twice: keyed by the node's token (the paper's matrix) and keyed by the
-node's last two tokens. The two-token entry, when one was seen, is the sharper guess (code repeats
-local patterns); both compete in the tree on their own measured acceptance rates.
-
-The table is the drafter's memory across generations (`new_memory`): as in the paper, each query
-inherits the table the previous queries left ("hot start"). The token-keyed rows are bounded by the
-vocabulary; the pair-keyed rows by `max_pairs` hashed slots, a newer pair overwriting an older one.
+successors (the paper's adjacency matrix, warm-started from the prompt's prefill); the tree grows through
+them, ranked by the measured acceptance rate of each rank. specpass also keys them by the node's last two
+tokens, the sharper guess where one was seen (code repeats local patterns); both compete on their own
+rates. The table is the drafter's memory across generations (`new_memory`: the paper's "hot start"); token
+rows are bounded by the vocabulary, pair rows by `max_pairs` hashed slots, a newer pair overwriting an older.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""The exit adapter: a small trained head that turns the residual stream after an early layer into a
-draft of the full model's next token (Kangaroo-style self-speculation; rewrites.EarlyExit).
+"""The exit adapter: a small trained head that turns the residual stream after an early layer into a draft
+of the full model's next token (Kangaroo-style self-speculation; rewrites.EarlyExit).
 
-A plain early exit (the model's own final norm + LM head after layer k) agrees with the full model
-rarely on a small model: the stream after layer k is not yet what the final norm expects. The adapter
-learns the rest of the way, distilled from the full model's own next-token law:
+A plain early exit rarely agrees with the full model on a small model: the stream after layer k is not
+yet what the final norm expects. The adapter learns the rest of the way from the model's own law:
 
     z = x + W2 SiLU(W1 RMSNorm(x))        (`blocks` residual MLP blocks; x: the stream after layer k)
     logits = head(RMSNorm_final(z))       (over the draft vocabulary: `vocab` [D] token ids)
 
-Initialised as the plain exit: W2 = 0 (each block starts as the identity), the final norm's weight
-is the model's, and `head` is the LM head's rows of the draft vocabulary; all of it is trained
-(research.exit_training). The adapter reads no KV cache and no other position: the attention it needs
-already ran in the model's own layers [0, k), whose cache entries are the verify step's. So the draft
-graph's cache writes stay exactly the step's own, and the adapter costs one MLP and a D-row head per
-drafted token.
+Initialised as the plain exit (W2 = 0, the model's final-norm weight and LM-head rows), all trained
+(research.exit_training). It reads no KV cache and no other position, so the draft graph's cache writes
+stay the step's own and a drafted token costs one MLP and a D-row head beyond layers [0, k).
 """
 
 from __future__ import annotations

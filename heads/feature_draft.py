@@ -1,25 +1,14 @@
 """The feature-level draft (EAGLE-3, Li et al. 2025): one small decoder layer that drafts autoregressively
 over the target's own features.
 
-Offsets. Position s of the target has features g[s] = [h_low[s]; h_mid[s]; h_high[s]] [3H]: the residual
-stream after three of its layers (`feature_layers`, indices into HF's `hidden_states`: 0 is the
-embedding output, i the output of layer i - 1). The draft's step at position s reads g[s], fused to
-[H] by `fuse`, and the embedding of the next token x[s+1], and predicts x[s+2]; its output state
-a[s] [H] (before the final norm) is what its next step reads in place of the target's features:
-
-* step 0 at position s: input (fuse(g[s]), e(x[s+1])) -> a0[s], predicts x[s+2];
-* step j at position s: input (a_{j-1}[s-1], e(x[s+1])) -> a_j[s], predicts x[s+2].
-
-Attention (one layer, the target's rotary positions): step j at position s sees the step-0 keys of
-positions <= s - j (the prefix the target verified: its features are real) and the step-i key of
-position s - j + i for i = 1..j (its own chain of drafted states). In decoding the step-0 keys are the
-draft's cache of the accepted prefix and the step-i keys a drafted path's; in training (the
-training-time test) every position runs every step at once under `chain_mask`.
-
-The layer follows EAGLE-3: q, k, v project the concatenation [norm(e); norm(state)] [2H]; the residual
-stream is the state (fused features or a_{j-1}); then a gated-SiLU MLP; a final norm and a head over
-the draft vocabulary (the `draft_vocab` tokens the model emits most, heads.modules), initialised from
-the target's LM-head rows and trained. The token embedding is the target's, shared, never copied.
+Position s of the target has features g[s] = [h_low[s]; h_mid[s]; h_high[s]] [3H], the residual stream
+after three of its layers (`feature_layers`, HF `hidden_states` indices). Step 0 at s reads (fuse(g[s]),
+e(x[s+1])) and predicts x[s+2]; step j at s reads (a_{j-1}[s-1], e(x[s+1])), its previous step's output
+state, so the draft runs on its own states down a path. Attention: step j at s sees the step-0 keys of
+positions <= s - j and one key per earlier step of its chain (`chain_mask` in training; the draft's
+cache and a drafted path's keys in decoding). The layer: q, k, v over [norm(e); norm(state)] [2H], the
+state as residual stream, a gated-SiLU MLP, a final norm and a head over the draft vocabulary
+(initialised from the LM head's rows); rotary positions and the token embedding are the target's.
 """
 
 from __future__ import annotations

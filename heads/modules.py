@@ -1,25 +1,13 @@
 """Draft heads (Medusa, Hydra) and the draft step that runs them through the model's own LM head.
 
-Offsets. `hidden` is the final normed hidden state of a token at position t (the last token the
-target accepted); the model's LM head on it gives x[t+1]. Head k (k = 1..K) predicts x[t+k+1]:
-in the next draft tree, head 1 proposes the children of the root x[t+1], head k depth k.
-
-* Medusa (Cai et al.): head k is one residual block on h, z_k = h + SiLU(W_k h + b_k); the heads are
-  independent of each other and of the drafted tokens.
-* Hydra (Ankner et al.): head k also sees the embeddings of the k tokens between t and its target,
-  z_k = h + SiLU(W_k [h; e(x[t+1]); ...; e(x[t+k])] + b_k), so a path through the tree is drafted
-  sequentially, each head conditioned on the tokens drafted before it.
-
-Both start as the identity (W = 0, b = 0), so an untrained head predicts what the LM head predicts
-for h; the LM head and the token embedding are the model's, shared, never copied.
-
-Draft vocabulary (FR-Spec, Zhao et al. 2025). Heads may propose only the `draft_vocab` tokens the
-model emits most often in the training corpus (ids in a `draft_vocab` buffer of the heads). The
-draft step then multiplies by those rows of the LM head only: gathered once into a [draft_vocab, H]
-linear map when the draft graph is built (derived from the LM head, never trained), it reads 6x less
-memory per draft call than the whole head for 8192 of 49152 tokens, which is what a draft call costs
-on a CPU. Lossless all the same: the target verifies every token; a token outside the list is just
-never proposed by the heads (other drafters may still propose it).
+`hidden` is the final normed state of the last accepted token t; head k (k = 1..K) predicts x[t+k+1], so
+head 1 proposes the children of the tree's root x[t+1]. Medusa (Cai et al.): z_k = h + SiLU(W_k h + b_k),
+independent of the drafted tokens. Hydra (Ankner et al.): z_k = h + SiLU(W_k [h; e(x[t+1]); ...;
+e(x[t+k])] + b_k), so a path is drafted token by token. Both start as the identity (W = 0, b = 0); the
+LM head and embedding are the model's, shared. Draft vocabulary (FR-Spec, Zhao et al. 2025): heads
+propose only the `draft_vocab` tokens the model emits most in the training corpus, and the draft step
+multiplies by those rows of the LM head only (gathered once, never trained): a fraction of the bytes a
+draft call reads, which is its cost on a CPU. Lossless all the same: the target verifies every token.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """The KV-cache slot layout of one verify step: the one definition every cache user reads.
 
-A step verifies T tokens (a draft tree, a chain, or a prompt) over a committed prefix:
-
-    slots [0, committed)                  the committed prefix: every token of the step sees all of it
-    slot  committed + i                   where token i's K/V is written (its write slot)
-    token i sees slot committed + j       iff ancestors[i, j] (j is i or an ancestor of i in the tree)
-    token i's rotary position             evicted + committed + depth(i), depth(i) = ancestors[i].sum() - 1
-    kv_len = committed + T                the slots a step attends over
-
-After verification the accepted path (node indices, root first) moves into consecutive slots
-committed, committed + 1, ... (`moves`), and the next step's committed length is committed + len(path).
-
-`evicted` counts committed tokens no longer in the cache (rewrites.kv_eviction; 0 without eviction).
-Rotary positions are the tokens' original positions in the sequence: a cached key keeps the rotary it
-was written with, so evicting a token is exactly hiding it from attention, and slots and positions
-part ways (slot = position only while nothing was evicted).
-
-The layout is built once per step on the host (`SlotLayout`), so no backend ever reads a length back
-from the device; the decode loop hands it to the program on the host, and each lowering moves what it
-needs to its device (a CUDA-graph replay pads on the host and copies the padded inputs once). Inside
-a graph it is encoded two ways, both defined here:
-
-* the static-cache step (rewrites.TreeAttention) takes `cache_slots` = the write slots and
-  `tree_mask` = the ancestor mask; row b's committed length is `cache_slots[b, 0]` (`slot_visibility`);
-* the functional step (backends.onnx.kv_io, for export) takes `past_mask` = `prefix_mask` and `tree_mask`
-  (`past_and_tree_visibility`).
+A step verifies T tokens over a committed prefix: slots [0, committed) are the prefix, seen by every token;
+token i writes slot committed + i and sees slot committed + j iff ancestors[i, j]; its rotary position is
+evicted + committed + depth(i); kv_len = committed + T. After verification the accepted path moves into
+slots committed, committed + 1, ... (`moves`). `evicted` counts committed tokens no longer cached
+(rewrites.kv_eviction): keys keep their original positions, so slots and positions part ways. The layout
+is built on the host (`SlotLayout`), so no backend reads a length back from the device. In a graph it has
+two encodings, both here: `cache_slots` + `tree_mask` for the static-cache step (`slot_visibility`; row
+b's committed length is `cache_slots[b, 0]`), and `past_mask` = `prefix_mask` + `tree_mask` for the
+functional step of the export (`past_and_tree_visibility`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Draft heads: trained Medusa or Hydra heads added to the step as its draft graph.
 
-Papers: Medusa, Hydra (and Clover, Chimera, Hidden Transfer for the family).
+Papers: Medusa, Hydra (Clover, Chimera, Hidden Transfer for the family). The step gains a draft graph
+(`ir.draft`, kind "heads"; `heads.modules.DraftStep`): the heads on final hidden states, then
+`vocab_head` and, for Hydra, the model's own token embedding. Inputs hidden [N, H], tokens [N, K],
+head [N]; outputs logits [N, D] over the draft vocabulary and its ids vocab [D]; config `HeadsConfig`.
 
-Rewrite. The step module gains a draft graph (`ir.draft`, kind "heads"; `heads.modules.DraftStep`): the heads on
-final hidden states, then `vocab_head` and, for Hydra, the model's own token embedding. `vocab_head`
-is the model's LM head itself (a shared call_module node, never copied weights) or, for heads with a
-draft vocabulary, its rows of that vocabulary (gathered once when the pass runs: D x H derived
-values, not trained; the verifier checks them against the LM head). Every draft node is annotated
-(role draft, or lm_head / embed for those two modules). The decode loop runs the draft graph on the
-hidden state of the last accepted token, after each verify step, to propose the next tree; the
-verify graph's hidden output is what feeds it.
-
-Draft graph: inputs hidden [N, H], tokens [N, K] int64, head [N] int64; outputs logits [N, D] over
-the draft vocabulary and its token ids vocab [D]; config: the heads' `HeadsConfig`.
-
-Invariants. The verify graph is not touched, so its outputs are bit for bit what they were before
-the pass (tested). The heads must have been trained for this model (fingerprint of its LM head):
-anything else is a mismatch, reported with both identities, and the graph is left unchanged.
-`vocab_head` is the step's LM head itself when the vocabulary is whole, else exactly its rows of the
-draft vocabulary, never a copy of the whole head (`verify`). Applying the pass twice is refused.
+Invariants. The verify graph is untouched (bit for bit, tested). The heads must be trained for this
+model (fingerprint of its LM head), else the pass does not apply and names both identities. `vocab_head`
+is the LM head itself for a whole vocabulary, else exactly its rows of the draft vocabulary (gathered
+once, checked against the LM head), never a copy of the whole head (`verify`). Twice is refused.
 """
 
 from __future__ import annotations

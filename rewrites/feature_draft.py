@@ -1,26 +1,13 @@
 """Feature draft: a trained EAGLE-3 style draft layer (heads.feature_draft) added to the step.
 
-Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.).
-
-Rewrite, in two parts:
-* The verify graph gains one declared output (ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the
-  draft's `fuse` (a linear map of the draft's, a submodule of the step) over the residual stream
-  entering its three feature layers, concatenated [B, T, 3H]. That is what the draft's first step reads
-  at every verified token, computed where those states already are. The step's other outputs are not
-  touched (tested bit for bit).
-* The step gains a draft graph of kind "feature" (`heads.feature_draft.FeatureDraftStep`): one step of
-  the draft layer over the draft's own KV cache, passed in and returned (inputs tokens [N, T], states
-  [N, T, H], positions [N, T], past_keys / past_values [N, nkv, S, d], mask [N, T, S + T]; outputs
-  new_states [N, T, H], logits [N, T, D], vocab [D], keys / values [N, nkv, S + T, d]), with the model's own token
-  embedding (shared).
-
-Invariants. The draft must have been trained for this model (fingerprint of its LM head) and read
-layers the model has; otherwise the pass does not apply, with the reason, and the graph is left
-unchanged. Applying it twice (or after another draft pass) is refused. The `features` output is the
-draft's fuse over exactly the three layers' streams (`verify`).
-
-ONNX (backends.onnx): the declared output is one more output of model.onnx, and the draft graph goes to
-draft.onnx with its cache as inputs and outputs, its rows, T and S dynamic (backends.onnx.draft).
+Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.). The verify graph gains one declared output
+(ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the draft's `fuse` over the residual streams entering
+its three feature layers, computed where those states are; the step's other outputs stay bit for bit.
+The step gains a draft graph of kind "feature" (`heads.feature_draft.FeatureDraftStep`): one step of the
+draft layer over its own KV cache, passed in and returned, with the model's token embedding (shared). On
+ONNX the declared output is one more output of model.onnx and the draft graph is draft.onnx
+(backends.onnx.draft). Refused, graph unchanged: a draft trained for another model, feature layers the
+model lacks, a second draft graph. `verify` checks the output is the fuse over exactly those streams.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """CUDA-graph lowering: one captured graph per (rows, tree-size, attended-length) bucket, replayed per step.
 
-Inputs are copied into static buffers padded to the bucket (`ir.layout.RowsLayout.step_inputs` with a
-size and a row count): padded tree nodes see only themselves and write their K/V into slots past
-their row's real tree (never read), padded rows write into cache rows no live sequence uses, and
-padded key columns are hidden by the mask, so the real nodes' logits equal the eager step's. Buckets
-come from the step's slot layout, built on the host: nothing is read back from the device.
-
-Buckets. T rounds up to a power of two, the attended length to a multiple of KV_BUCKET
-(backends.lowering.buckets), and the rows of a step (backends.runtime.decode) to a power of two capped at
-the rows the cache holds: a batch whose rows finish one by one replays at most log2(B) + 1 row
-buckets instead of capturing one graph per live-row count. A one-sequence program's steps are one
-row, as before.
-
-Host work is the floor of a replayed step (an H100 replays SmolLM2-135M's inductor step in 1.2 ms):
-given host-side token ids and layout (what the decode loop passes), the padding runs on the host
-and reaches the device as one copy per input; device-side inputs are padded on the device.
+Inputs are copied into static buffers padded to the bucket (`ir.layout.RowsLayout.step_inputs`): padded
+nodes see only themselves and write past their row's real tree, padded rows write cache rows no live
+sequence uses, padded key columns are masked, so the real nodes' logits equal the eager step's. T rounds
+up to a power of two, the attended length to a multiple of KV_BUCKET (backends.lowering.buckets), the rows
+to a power of two capped at the cache's rows (a batch whose rows finish one by one replays at most
+log2(B) + 1 row buckets). Buckets come from the host-built layout: nothing is read back from the device.
+Host work is the floor of a replayed step, so host-side inputs are padded on the host and reach the
+device as one copy per input; device-side inputs are padded on the device.
 """
 
 from __future__ import annotations

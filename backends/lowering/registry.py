@@ -137,12 +137,11 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     graphs); on a CPU oneDNN where it runs the dtype (float32, bfloat16 where oneDNN has it), else eager.
 
     Why inductor on CUDA. A small model's GPU step is bound by kernel launches; inductor fuses each
-    layer's pointwise work, so its replays beat the FX step's at every tree size measured (SmolLM2-135M
-    bf16 on an H100: 1.18 against 2.64 ms a one-token replay), and end to end the combined tree runs at
-    1079 tok/s against 307 (bf16, H200, docs/experiments.md "GPU step"); both are lossless on the real
-    model on a GPU (tests/test_gpu.py). Its price is the compile at the first call, 35-90 s per program
-    (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step in CUDA graphs)
-    starts in seconds."""
+    layer's pointwise work, so its replays beat the FX step's at every tree size measured, and end to
+    end the combined tree runs faster (docs/experiments.md, "GPU step, 2026-11-26" and "GPU, 2026-11-26
+    (H200)"); both are lossless on the real model on a GPU (tests/test_gpu.py). Its price is the compile
+    at the first call (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step
+    in CUDA graphs) starts in seconds."""
     if lowering != AUTO:
         return lowering
     if device.type == "cuda":

@@ -1,22 +1,14 @@
 """`specpass export`: the rewritten decode step as an ONNX model, checked with onnx.checker and on ORT.
 
-Pipeline: capture -> the pipeline's passes (verified after each) -> KV as inputs/outputs
-(`backends.onnx.kv_io`) -> `torch.onnx.export(..., dynamo=True)` -> save -> checks.
-
-Why the dynamo exporter: it exports from `torch.export`'s graph of the very FX module the passes
-produced, so the ONNX graph is the rewritten step itself (tree mask inputs, KV outputs, draft
-outputs), with the batch B, tree size T and cache length S as symbolic dimensions. The TorchScript
-exporter would re-trace through Python and is deprecated. The exporter's onnxscript optimizer is
-off (`optimize=False`): ORT optimizes the graph itself when it opens a session, and on the default
-model (2-core EPYC) the optimizer doubled the export (113.6 s against 57.5) for the same ORT step
-(T = 1: 35.8 against 36.3 ms; T = 64: 191.7 against 179.5 ms).
-
-Output directory: model.onnx (+ model.onnx.data when the weights are stored externally),
-draft.onnx when the pipeline adds draft heads (`backends.onnx.draft`), the files a pass's export hook
-adds (passes.export: KV eviction's observe.onnx and evict.onnx), pipeline.json, manifest.json
-(inputs, outputs, shapes, meaning, the check's result) and the tokenizer's files when a tokenizer
-is given. Everything is written to a hidden folder beside the output and renamed into place once
-checked, so an interrupted export never leaves a directory that looks complete.
+Capture -> the pipeline's passes (verified after each) -> KV as inputs and outputs (backends.onnx.kv_io)
+-> `torch.onnx.export(..., dynamo=True)` -> save -> checks. The dynamo exporter exports `torch.export`'s
+graph of the very FX module the passes produced, with B, T and S symbolic (the TorchScript exporter
+re-traces through Python and is deprecated). Its onnxscript optimizer is off (`optimize=False`): ORT
+optimizes the graph when it opens a session, and the optimizer made the export slower for no faster ORT
+step (docs/experiments.md, "ONNX export without onnxscript's optimizer"). The directory: model.onnx
+(+ .data), draft.onnx, the files a pass's export hook adds, pipeline.json, manifest.json and the
+tokenizer's files, written to a hidden folder beside the output and renamed into place once checked, so
+an interrupted export never leaves a directory that looks complete.
 """
 
 from __future__ import annotations

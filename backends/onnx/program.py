@@ -1,29 +1,14 @@
 """ONNX Runtime lowering: the decode loop drives a step exported by `specpass export` on an ORT session.
 
-KV cache. Two torch tensors [L, B, KV, S, D] (on the CPU, or on the GPU with the CUDA EP) are the
-step's `past_keys` / `past_values` inputs as they are: in row b, slots at and past that row's
-committed length are hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in
-buckets of KV_BUCKET slots (the buffer is reallocated and copied when the committed prefix outgrows
-it), so the step attends over at most KV_BUCKET - 1 spare slots.
-After a verify step `commit` copies the accepted path's entries of `new_keys` / `new_values` into
-consecutive slots: compaction without recompute, as in the PyTorch lowering. An export that evicts
-(rewrites.kv_eviction) has a fixed cache of the policy's `budget` slots: after each commit its
-observe.onnx scores the accepted tokens from the step's `queries` output, and its evict.onnx keeps
-the policy's slots when the cache is full (`backends.onnx.eviction`).
-
-Inputs and outputs are bound with IOBinding to torch tensors' memory: the KV cache never leaves the
-device and is never copied between steps. With `cuda_graphs=True` on the CUDA EP every input and
-output lives in a static buffer per (tree-size bucket, cache bucket), the tree padded by the
-PyTorch CUDA-graph lowering's own helper (`backends.lowering.buckets`), and ORT captures one CUDA graph per
-bucket (`gpu_graph_id`).
-
-Batches (`rows` > 1; one sequence is a batch of one, backends.runtime.decode). The export takes B as a dynamic axis; row b of the cache
-buffers is sequence b, laid out as alone (per-row offsets, as in the PyTorch lowering), and each row
-commits its own path. The buffers hold exactly the live rows, so IOBinding binds them as they are:
-when rows finish, `keep_rows` gathers the live ones into new, smaller buffers (once per finishing
-row, not per step), and the next batch's prefill allocates `rows` rows again. Not with
-`cuda_graphs=True` (its buckets are one row): refused for rows > 1. An evicting export runs its
-one-row policy graphs on each row's slices (backends.onnx.eviction).
+The KV cache is two torch tensors [L, B, KV, S, D] bound with IOBinding as the step's `past_keys` /
+`past_values` (never copied between steps); `past_mask` hides each row's slots past its committed length.
+S grows in buckets of KV_BUCKET slots; `commit` copies an accepted path's `new_keys` / `new_values` into
+consecutive slots. An evicting export has a fixed cache of `budget` slots and runs its policy's
+observe.onnx / evict.onnx after each commit (backends.onnx.eviction). With `cuda_graphs=True` (CUDA EP)
+ORT replays one CUDA graph per (tree-size bucket, cache bucket), padded by backends.lowering.buckets.
+Batches (`rows` > 1): B is a dynamic axis of the export; row b is sequence b, laid out as alone; the
+buffers hold exactly the live rows (`keep_rows` gathers them into smaller ones as rows finish). Refused
+for rows > 1: an export whose B is fixed, and `cuda_graphs=True` (its graphs are captured for one row).
 """
 
 from __future__ import annotations

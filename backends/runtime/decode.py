@@ -1,25 +1,14 @@
 """The decode loop, for one sequence or a batch: draft each row's tree -> verify every row in one forward
 -> accept each row's longest path -> commit it in the row's own cache row.
 
-Layout: per-row offsets. Each sequence owns one row of the program's cache ([L, B, KV, S, D]) and lays
-out its tokens there exactly as it would alone (`ir.layout.SlotLayout`: committed prefix in slots
-[0, committed_b), its tree after it). A step's rows are padded to a common T (`ir.layout.RowsLayout`):
-a padding node sees only itself and is written past the row's committed prefix, where nothing reads
-it. Why not left padding: a row's accepted path varies in length, so a shared write position would
-leave a hole in every row but the longest each step and attention would read them all; with a row's
-own offset nothing is wasted and the row's cache is exactly the cache it would have alone. One
-sequence is a batch of one: there is no other loop.
-
-Per step: every row drafts its own tree (its own drafter sessions: prompt lookup over its own text;
-Token Recycling's successor table is the program's memory, shared by the rows as it is shared by
-successive generations); one T for all rows maximises the batch's expected tokens per second on the
-cost curve measured for forwards of all rows (so trees shrink as B grows); one forward verifies all
-rows; each row accepts its own path (`sequence.SequenceState`) and commits it in its own cache row
-only. A row that finishes (EOS, length, stop, cache) leaves the batch: the rows after it move up one
-cache row, so the next forwards run only the live rows.
-
-Invariant. A row's tokens equal that sequence decoded alone with the same choice (greedy, or sampling
-keyed by its seed and position): its logits depend only on its own cache row and tokens.
+Each sequence owns one row of the program's cache and lays out its tokens there exactly as alone
+(`ir.layout.SlotLayout`); a step's rows are padded to one T (`ir.layout.RowsLayout`), a padding node
+seeing only itself, written where nothing reads it (per-row offsets, not left padding: docs/design.md,
+"Layout: per-row offsets"). Each step the rows draft their trees; one T for all rows maximises the
+batch's expected tokens per second on the cost curve for forwards of all rows; one forward verifies; each
+row accepts and commits its own path. A finished row (EOS, length, stop, cache) leaves the batch and the
+rows after it move up. One sequence is a batch of one. Invariant: a row's tokens equal that sequence
+decoded alone with the same choice (greedy, or sampling keyed by its seed and position).
 """
 
 from __future__ import annotations

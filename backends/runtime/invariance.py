@@ -1,20 +1,14 @@
 """The build-time check that a program computes one function: a token's logits (and the K/V it writes)
 come out bit for bit the same whatever else its step holds.
 
-What it runs, through the program's own `forward` and `compact` (the commit's compaction, without
-the rewrites' hooks) on its own cache, with random tokens (row 0 unless said):
-
-    pieces  a prompt fed as one forward, in two pieces, and its last tokens one at a time: logits
-            and the committed cache entries
-    tree    a random tree over that prompt; each of some nodes (the root, the deepest, others) against
-            the same token decoded alone: the tree verified, the node's ancestors committed into
-            consecutive slots, then a one-token forward
-    rows    (programs of several rows) two prompts of other lengths prefilled and verified together,
-            each row against the same prompt and tree alone
-
-and compares with `torch.equal`: no tolerance. A lowering whose kernels depend on the rest of the call
-fails here (tests/test_invariance.py injects one). The check leaves the cache's contents undefined; a
-generation's prefill overwrites what it reads.
+Through the program's own `forward` and `compact` (the commit's compaction, without the rewrites' hooks)
+on its own cache, with random tokens: a prompt fed whole, in two pieces and its last tokens one at a time
+(logits, committed cache entries); a random tree over it, some nodes each against the same token decoded
+alone (ancestors committed into consecutive slots, then a one-token forward); for programs of several
+rows, two prompts of other lengths prefilled and verified together against each alone. Compared with
+`torch.equal`, no tolerance: a lowering whose kernels depend on the rest of the call fails
+(tests/test_invariance.py injects one). The check leaves the cache's contents undefined; a generation's
+prefill overwrites what it reads.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """KV-cache eviction as a graph rewrite: the pass every policy (policies.py) shares.
 
-Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer.
+Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer. The cache holds at most `budget` tokens
+per layer and KV head (the K/V buffers are cut to `budget` slots); when the committed tokens fill it, the
+policy keeps `kept = budget - chunk` and the next `chunk` tokens fill the freed slots. Evicting in chunks
+puts evictions at fixed token counts, so any split of the input into steps gives the same cache and
+speculation changes nothing of its own. Keys keep their original rotary positions, so evicting a token
+is exactly hiding it from attention. Scores come from committed tokens only.
 
-Semantics (the model a policy defines). The cache holds at most `budget` tokens per layer and KV
-head: the K/V buffers are cut to `budget` slots, so memory really falls. Tokens are committed in
-order; when the committed tokens fill all `budget` slots, the policy keeps `kept = budget - chunk`
-of them (per layer, and per KV head where it ranks per head) and the next tokens fill the freed
-`chunk` slots. A token sees exactly the tokens kept when it was processed, itself included. Scores
-come from committed tokens only: each accepted token's attention over the slots it saw.
-
-Why evict `chunk` tokens at once rather than one per token: evictions then happen at fixed token
-counts, so any split of the input into steps gives the same cache. A prompt fed in pieces, a draft
-tree of up to `chunk` nodes verified in one forward, or one token at a time all see what the
-token-by-token model sees (the decode loop never lets a step run past a full cache). So speculation
-adds no change of its own: its greedy output equals this policy's plain greedy output.
-
-Positions. A cached key keeps the rotary of its original position (the step applies rotary before
-the cache write), and new tokens get their original positions (`SlotLayout.evicted`): evicting a
-token is then exactly hiding it from attention, keys need no re-rotation, and a budget at least
-the sequence length gives the full-cache model token for token. (StreamingLLM re-indexes positions
-inside the cache to run past the trained context; within it, original positions are exact.)
-
-Rewrite. Cuts `k_cache` / `v_cache` to `budget` slots, adds the policy's state buffers, inserts
-before each layer's attention an op that keeps the step's queries (`ops.record_queries`), and adds
-the side graphs `kv_observe` and `kv_evict` (ops.py), which the program runs after each commit.
-Refused: a second eviction pass, sliding-window or soft-capped attention (the scores would need the
-window's or cap's own rule), an early-exit step (its draft writes queries one token at a time), a
-sharded step.
+Rewrite: cut the caches, add the policy's state buffers, record each layer's queries
+(`ops.record_queries`) and add the side graphs `kv_observe` / `kv_evict` (ops.py), run after each commit.
+Refused: a second eviction pass, sliding-window or soft-capped attention, an early-exit step, a sharded step.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 row's cache is evicted when its tokens fill it; each row has its own budget and its own policy state,
 so a row's tokens are the tokens that sequence has alone under the same policy. `GraphEviction` runs
 the step's own in-place graphs (PyTorch lowerings) on one row at a time (views of the row's cache and
-state); `backends.onnx.eviction.OrtEviction` runs the exported ones on ORT (one sequence)."""
+state); `backends.onnx.eviction.OrtEviction` runs the exported graphs on ORT, for a batch row by row
+(they are exported for one row: each row's slices are copied to contiguous tensors and back).
+"""
 
 from __future__ import annotations
 
