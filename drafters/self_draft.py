@@ -89,7 +89,7 @@ class SelfDraftSession(DraftSession):
         depth = min(depth, self.cache_size - committed - 1)  # the chain's slots stay in the cache
         token, chain, states = tokens[-1], [tokens[-1]], []
         for i in range(depth + 1 if depth else 0):  # depth 0: self-drafting is off this step, no call at all
-            layout = SlotLayout(committed + i, self.one_node)  # after the chain's i earlier tokens
+            layout = SlotLayout.tree(committed + i, self.one_node)  # after the chain's i earlier tokens
             ids = torch.tensor([[token]], device=layout.device)
             outputs = self.draft(**layout.step_inputs(ids))
             logits, exit_hidden = outputs[:2]  # [1, 1, V] (or [1, 1, D]: an adapter's), [1, 1, H]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..ir.layout import RowsLayout
+from ..ir.layout import SlotLayout
 
 
 class RuntimeHook:
@@ -25,7 +25,7 @@ class RuntimeHook:
     def new_sequence(self) -> None:
         """A batch's first forward is next: drop per-sequence state."""
 
-    def after_commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
+    def after_commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
         """After each row's accepted path was compacted into its cache row: each row's committed slots
         now (`committed` as the program or an earlier hook left them; an eviction returns fewer)."""
         return committed

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..lowering.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
+from ..lowering.buckets import KV_BUCKET, kv_bucket, tree_bucket
 from .kv_io import KV_OUTPUTS, QUERIES_OUTPUT
 from .draft import OrtDraft
 from .eviction import OrtEviction
@@ -43,7 +43,7 @@ from ..runtime.program import DecodeProgram
 from ...drafters import Drafter, default_drafter
 from ...common.errors import InvalidParameterError, SpecpassError
 from ...ir.draft import DRAFT_STATES
-from ...ir.layout import RowsLayout, SlotLayout
+from ...ir.layout import SlotLayout
 from ...passes import Pipeline
 from ...rewrites.kv_eviction import KVEviction
 
@@ -145,33 +145,26 @@ class OrtProgram(DecodeProgram):
             new[:, :, :, :have] = old
             setattr(self, name, new)
 
-    def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: SlotLayout) -> dict:
-        """The functional step's inputs (backends.onnx.kv_io) for input_ids / positions [1, T] laid out by `layout`."""
+    def _inputs(self, input_ids: torch.Tensor, layout: SlotLayout) -> dict:
+        """The functional step's inputs (backends.onnx.kv_io) for input_ids [B, T] laid out by `layout`."""
         return {
-            "input_ids": input_ids, "positions": positions, "past_keys": self.keys, "past_values": self.values,
-            "past_mask": layout.prefix_mask(self.keys.shape[3])[None], "tree_mask": layout.ancestors[None],
+            "input_ids": input_ids, "positions": layout.positions(), "past_keys": self.keys, "past_values": self.values,
+            "past_mask": layout.past_mask(self.keys.shape[3]), "tree_mask": layout.ancestors,
         }  # fmt: skip
 
-    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = len(layout.committed)
-        self.check_rows(batch)
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_rows(layout.rows)
         tokens, layout = tokens.to(self.device), layout.to(self.device)
-        self._reserve(batch, max(layout.committed) + 1)
-        if self.cuda_graphs:  # one row (rows > 1 is refused with cuda_graphs)
-            outputs = self._run_graph(tokens, layout.rows[0])
+        self._reserve(layout.rows, max(layout.committed) + 1)
+        if self.cuda_graphs:
+            outputs = self._run_graph(tokens, layout)
         else:
-            step = layout.step_inputs(tokens)
-            slots = torch.arange(self.keys.shape[3], device=self.device)  # [S]
-            committed = torch.tensor(layout.committed, device=self.device)  # [B]
-            past_mask = (slots[None, :] < committed[:, None])[:, None, :].expand(batch, layout.size, -1)  # [B, T, S]
-            inputs = {"input_ids": tokens, "positions": step["positions"], "past_keys": self.keys,
-                      "past_values": self.values, "past_mask": past_mask, "tree_mask": step["tree_mask"]}  # fmt: skip
-            outputs = self._run(inputs, layout.size)
+            outputs = self._run(self._inputs(tokens, layout), layout.size)
         self._new = (outputs["new_keys"], outputs["new_values"])
         self.queries = outputs.get(QUERIES_OUTPUT)
         return outputs["logits"], outputs[self.states_name]
 
-    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+    def compact(self, layout: SlotLayout, paths: list[list[int]]) -> None:
         """Copy each row's path from the last step's new_keys / new_values into its committed slots."""
         if self._new is None:
             raise SpecpassError("commit before any forward")
@@ -218,9 +211,9 @@ class OrtProgram(DecodeProgram):
         import onnxruntime as ort
 
         tb = tree_bucket(layout.size)
-        key = (tb, self.keys.shape[3])
-        ids, positions, padded = pad_step(input_ids, layout, tb)
-        inputs = self._inputs(ids, positions, padded)
+        key = (tb, self.keys.shape[3])  # one row: rows > 1 is refused with cuda_graphs (_check_batched_export)
+        padded = layout.padded(tb, layout.rows)
+        inputs = self._inputs(padded.step_inputs(input_ids)["input_ids"], padded)
         if key not in self._graphs:
             static = {name: value.contiguous().clone() for name, value in inputs.items()}
             static["past_keys"], static["past_values"] = self.keys, self.values

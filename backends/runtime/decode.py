@@ -3,7 +3,7 @@
 
 Layout: per-row offsets. Each sequence owns one row of the program's cache ([L, B, KV, S, D]) and lays
 out its tokens there exactly as it would alone (`ir.layout.SlotLayout`: committed prefix in slots
-[0, committed_b), its tree after it). A step's rows are padded to a common T (`ir.layout.RowsLayout`):
+[0, committed_b), its tree after it). A step's rows are padded to a common T:
 a padding node sees only itself and is written past the row's committed prefix, where nothing reads
 it. Why not left padding: a row's accepted path varies in length, so a shared write position would
 leave a hole in every row but the longest each step and attention would read them all; with a row's
@@ -38,7 +38,7 @@ from .sequence import CacheCursor, SequenceState
 from ...drafters import RootsOnly, RowsDrafting, VerifiedRows, rows_drafting
 from ...drafters.tree_rows import TreeRows, first_branches
 from ...common.errors import InvalidParameterError
-from ...ir.layout import RowsLayout
+from ...ir.layout import SlotLayout
 
 PREFILL_LOGITS_BYTES = 256 * 2**20  # a prefill forward's float32 logits [B, T, V] stay within this
 MIN_DRAFTED = 4  # the fewest nodes a row drafts under the cost budget (the tree grows from there by doubling)
@@ -125,7 +125,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
             trees = first_branches(trees)
         size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
         trees = trees.prefix(min(program.agreed_size(size), room))  # every process of a sharded program: rank 0's size
-        layout = RowsLayout(tuple(s.cursor.cached for s in live), torch.from_numpy(trees.ancestors),
+        layout = SlotLayout(tuple(s.cursor.cached for s in live), torch.from_numpy(trees.ancestors),
                             tuple(trees.sizes.tolist()), tuple(s.cursor.seen - s.cursor.cached for s in live))  # fmt: skip
         states = drafting.precomputed(trees) if program.resumes_from_exit else None
         if states is not None:  # every row's tree is its self-draft chain: resume above the exit
@@ -205,7 +205,7 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
         # every row's step is padded to the longest: no row may take more than the tightest room
         cap = max(1, min(piece, *(program.room(c.cached) for c in cursors)))
         counts = [min(cap, len(p) - f) for p, f in zip(prompts, fed)]
-        layout = RowsLayout.of([c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
+        layout = SlotLayout.of([c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
                                 for c, n in zip(cursors, counts)])  # fmt: skip
         tokens = layout.pad_tokens([torch.tensor(list(p[f : f + max(n, 0)]) or [0], dtype=torch.long)
                                     for p, f, n in zip(prompts, fed, counts)])  # fmt: skip  [B, T]

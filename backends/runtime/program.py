@@ -28,7 +28,7 @@ from ...drafters import Drafter
 from ...common.errors import InvalidParameterError
 from ...passes import PassReport
 from ...passes.runtime import RuntimeHook
-from ...ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
+from ...ir import DraftGraphSpec, SlotLayout, capture, draft_spec
 from ...ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
 from ...ir.split import EXIT_HIDDEN
 
@@ -121,7 +121,7 @@ class DecodeProgram(ABC):
         return size
 
     @abstractmethod
-    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """One verify forward of B rows' steps: tokens [B, T] int64 (layout.pad_tokens) laid out by
         `layout` (row b in cache row b; each ancestor mask a chain's when the program does not verify
         trees); returns logits [B, T, V] and the states the drafters read, hidden [B, T, H] (the final
@@ -129,12 +129,12 @@ class DecodeProgram(ABC):
         features), on the program's device (padding nodes' outputs are meaningless). Tokens and layout
         may be on the host (what the decode loop passes) or on that device."""
 
-    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify tokens whose layers below the early exit already ran in their slots (their states after
         those layers: exit_hidden [B, T, H], padding nodes' arbitrary); returns what `forward` does."""
         raise NotImplementedError(f"{type(self).__name__} has no resume graph")
 
-    def commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+    def commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]]) -> list[int]:
         """Keep each row's accepted path (node indices, root first) in consecutive slots of its own cache
         row, from its committed length on; the other rows' caches are not touched. Returns how many
         slots of each row hold committed tokens now (fewer after an eviction)."""
@@ -146,7 +146,7 @@ class DecodeProgram(ABC):
         return committed
 
     @abstractmethod
-    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+    def compact(self, layout: SlotLayout, paths: list[list[int]]) -> None:
         """Move each row's path's K/V into slots committed_b, committed_b + 1, ... of its cache row."""
 
     @abstractmethod
@@ -170,7 +170,7 @@ class DecodeProgram(ABC):
     def measured_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward a cost curve times: tokens [T] laid out by `layout` in every row of the program;
         returns row 0's logits [T, V], hidden [T, H]."""
-        logits, hidden = self.forward(tokens[None].expand(self.rows, -1), RowsLayout.of((layout,) * self.rows))
+        logits, hidden = self.forward(tokens[None].expand(self.rows, -1), SlotLayout.of((layout,) * self.rows))
         return logits[0], hidden[0]
 
     @property
@@ -302,19 +302,19 @@ class SpeculativeProgram(DecodeProgram):
             )
         return ProgramReport(self.step.report, lowering, kernels.name, check)
 
-    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_rows(len(layout.committed))
         outputs = self.step(tokens, layout)
         return outputs[0], outputs[self.states_output]  # [B, T, V], [B, T, H]
 
-    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_rows(len(layout.committed))
         ids = torch.zeros(exit_hidden.shape[:2], dtype=torch.long, device=self.device)  # [B, T]: the resume graph reads none
         inputs = layout.to(self.device).step_inputs(ids) | {EXIT_HIDDEN: exit_hidden}  # exit_hidden [B, T, H]
         logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [B, T, V], [B, T, H]
         return logits, hidden
 
-    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+    def compact(self, layout: SlotLayout, paths: list[list[int]]) -> None:
         rows, src, dst = layout.moves(paths)
         if src:
             compact(self.k_cache, self.v_cache, *(torch.tensor(x, device=self.device) for x in (rows, src, dst)))

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from ...ir.layout import RowsLayout
+from ...ir.layout import SlotLayout
 from ...passes.runtime import RuntimeHook
 from .ops import QUERIES, SCORES, WINDOW_QUERIES
 
@@ -53,17 +53,17 @@ class Eviction(RuntimeHook):
         """Inside the block, `observe` and `evict` act on row b alone (one-row programs: a no-op)."""
         return contextlib.nullcontext()
 
-    def after_commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
+    def after_commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
         """Score each row's accepted path (already compacted into slots committed_b, ...), evict the
         rows whose cache is full."""
         committed = list(committed)
-        for b, (row, path) in enumerate(zip(layout.rows, paths, strict=True)):
+        positions = layout.positions()  # [B, T]
+        for b, path in enumerate(paths):
             if not path:  # a row with nothing committed this step (a prefill padding row)
                 continue
             nodes = torch.tensor(list(path), device=self.device)  # [n]
-            positions = row.positions()[list(path)].to(self.device)  # [n]
             with self.row(b):
-                self.observe(nodes, row.committed, positions)
+                self.observe(nodes, layout.committed[b], positions[b, list(path)].to(self.device))
                 if committed[b] >= self.policy.budget:
                     self.evict()
                     committed[b] = self.policy.kept
