@@ -125,7 +125,7 @@ class _Runner:
         c, n = self.prompt, self.nodes
         layout = _tree_layout(c, self.parents)
         logits = self.forward([self.tree_tokens], [layout])[0]  # [N, V]
-        depths = (layout.ancestors.sum(-1) - 1).tolist()
+        depths = (layout.ancestors[0].sum(-1) - 1).tolist()
         deepest = max(range(n), key=depths.__getitem__)
         picks = sorted({0, deepest, *torch.randperm(n, generator=self.gen)[: ALONE_NODES - 2].tolist()})
         for node in picks:
