@@ -320,13 +320,14 @@ def _self_draft_rows(model, pipeline, drafter, prompts: list[list[int]], new: in
     program's count of resumed forwards (steps verified from the exit states the drafts left)."""
     program = _program(model, len(prompts), pipeline=pipeline, drafter=drafter, budget=5)
     resumed = {"calls": 0}
-    resume = program.forward_from_exit
+    verify = program.verify
 
     def counted(*args):
-        resumed["calls"] += 1
-        return resume(*args)
+        out = verify(*args)  # (logits, hidden, whether a hook resumed it above the exit)
+        resumed["calls"] += out[2]
+        return out
 
-    program.forward_from_exit = counted
+    program.verify = counted
     out = decode(program, prompts, max_new_tokens=new, eos_token_ids=[])
     for prompt, tokens in zip(prompts, out.new_tokens):
         assert list(tokens) == _hf_greedy(model, prompt, new)

@@ -2,7 +2,7 @@
 row's cache is evicted when its tokens fill it; each row has its own budget and its own policy state,
 so a row's tokens are the tokens that sequence has alone under the same policy. `GraphEviction` runs
 the step's own in-place graphs (PyTorch lowerings) on one row at a time (views of the row's cache and
-state); `backends.onnx.eviction.OrtEviction` runs the exported ones on ORT (one sequence)."""
+state); `onnx_runtime.OrtEviction` runs the exported ones on ORT, each row on its own slices."""
 
 from __future__ import annotations
 
@@ -32,6 +32,14 @@ class Eviction(RuntimeHook):
     def max_step(self) -> int:
         """No step takes more tokens than an eviction frees (the policy's chunk)."""
         return self.policy.chunk
+
+    @property
+    def fixed_cache(self) -> int:
+        """A sequence's cache is the policy's budget."""
+        return self.policy.budget
+
+    def __str__(self) -> str:
+        return f"evicts its KV cache to {self.policy.budget} slots ({self.policy.name})"
 
     @abstractmethod
     def observe(self, rows: torch.Tensor, first_slot: int, positions: torch.Tensor) -> None:
