@@ -31,9 +31,9 @@ from .depth_control import DepthController
 from .stats import AcceptanceStats
 from .tree import Candidate, DraftTree
 from ..common.errors import InvalidParameterError
+from ..ir.draft import EARLY_EXIT_KIND
 from ..ir.layout import SlotLayout
 
-EARLY_EXIT_KIND = "early-exit"  # rewrites.EarlyExit's draft-graph kind
 PRIOR = 0.3  # P(a drafted token is accepted | its parent was), before any outcome is seen (no measured agreement)
 
 clock = time.perf_counter  # the adaptive controller's seconds (a test injects its own)
