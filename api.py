@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .backends.runtime.decode import generate as decode
-from .backends.runtime.generation import BatchGeneration, Generation, check_rows, prompts_from
+from .backends.runtime.generation import BatchGeneration, Generation, check_batch_size, check_request, prompts_from
 from .backends.runtime.program import DecodeProgram, program_for
 from .backends.resolve import resolve
 from .backends.runtime.sampling import Sampling, TargetChoice
@@ -22,7 +22,7 @@ def compile_program(model: nn.Module | DecodeProgram, options=None, rows: int = 
     if isinstance(model, DecodeProgram):
         if options is not None:
             raise InvalidParameterError("a program's options are fixed when it is built; options must be None")
-        model.check_rows(rows)
+        check_batch_size(model, rows)
         return model
     model, opts = resolve(model, options)
     arch_spec(model)  # clear error for unsupported architectures before any capture work
@@ -70,7 +70,7 @@ def generate(
     accepted, then `end()`.
     """
     prompts = prompts_from(input_ids, attention_mask)
-    check_rows(prompts, max_new_tokens)
+    check_request(prompts, max_new_tokens)
     seeds = [seed] * len(prompts) if isinstance(seed, int) or not isinstance(seed, Sequence) else list(seed)
     if len(seeds) != len(prompts):
         raise InvalidParameterError(f"seed: give one int, or one per row ({len(prompts)}), got {len(seeds)}")

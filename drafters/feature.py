@@ -24,8 +24,8 @@ from .base import Drafter, DraftModel, DraftSession, TargetForward, check_params
 from .heads import CandidateTable, HeadStats
 from .tree import DraftTree
 from ..common.errors import InvalidParameterError
+from ..ir.draft import FEATURE_KIND
 
-FEATURE_KIND = "feature"  # the draft-graph kind it drives (rewrites.FeatureDraft)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from .base import Drafter, DraftModel, DraftSession, TargetForward, check_params
 from .stats import AcceptanceStats, ProbabilityCalibration
 from .tree import Candidate, DraftLaw, Drawn, DrawnCandidate, DraftTree
 from ..common.errors import InvalidParameterError
+from ..ir.draft import HEADS_KIND
 
 TREES = ("dynamic", "static")
 
@@ -61,7 +62,7 @@ class Heads(Drafter):
 
     def start(self, prompt: Sequence[int], prefill: TargetForward, memory=None, draft: DraftModel | None = None,
               seed: int = 0):  # fmt: skip
-        if draft is None or draft.spec.kind != "heads":
+        if draft is None or draft.spec.kind != HEADS_KIND:
             found = "no draft graph" if draft is None else f"a {draft.spec.kind!r} draft graph"
             raise InvalidParameterError(
                 f"the Heads drafter needs draft heads in the pipeline (it has {found}): add rewrites.DraftHeads(kind=...)"

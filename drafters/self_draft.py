@@ -23,9 +23,9 @@ from .depth_control import DepthController
 from .stats import AcceptanceStats
 from .tree import Candidate, DraftTree
 from ..common.errors import InvalidParameterError
+from ..ir.draft import EARLY_EXIT_KIND
 from ..ir.layout import SlotLayout
 
-EARLY_EXIT_KIND = "early-exit"  # rewrites.EarlyExit's draft-graph kind
 PRIOR = 0.3  # P(a drafted token is accepted | its parent was), before any outcome is seen (no measured agreement)
 
 clock = time.perf_counter  # the adaptive controller's seconds (a test injects its own)
@@ -81,7 +81,7 @@ class SelfDraftSession(DraftSession):
         depth = min(depth, self.cache_size - committed - 1)  # the chain's slots stay in the cache
         token, chain, states = tokens[-1], [tokens[-1]], []
         for i in range(depth + 1 if depth else 0):  # depth 0: self-drafting is off this step, no call at all
-            layout = SlotLayout(committed + i, self.one_node)  # after the chain's i earlier tokens
+            layout = SlotLayout.tree(committed + i, self.one_node)  # after the chain's i earlier tokens
             ids = torch.tensor([[token]], device=layout.device)
             outputs = self.draft(**layout.step_inputs(ids))
             logits, exit_hidden = outputs[:2]  # [1, 1, V] (or [1, 1, D]: an adapter's), [1, 1, H]

@@ -7,7 +7,7 @@ from .arch import ArchSpec, arch_spec
 from .capture import arch_of, capture, copy_step, is_captured_step, model_parts, replace_node
 from .draft import DraftGraphSpec, DraftTensor, draft_graph, draft_spec
 from .families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of
-from .layout import RowsLayout, SlotLayout
+from .layout import SlotLayout
 from .roles import NodeInfo, Role, info
 from .verify import verify
 
@@ -20,7 +20,6 @@ __all__ = [
     "Family",
     "NodeInfo",
     "Role",
-    "RowsLayout",
     "SlotLayout",
     "arch_of",
     "arch_spec",

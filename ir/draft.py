@@ -31,6 +31,10 @@ DRAFT_META = "specpass_draft"  # gm.meta key holding its DraftGraphSpec
 STEP_OUTPUTS_META = "specpass_step_outputs"  # gm.meta key: {name: index} of the outputs draft passes added
 DRAFT_STATES = "draft_states"  # a declared output the drafters read in place of the final hidden states
 ROWS = "N"  # the dynamic row dimension of a draft graph's inputs and outputs
+# draft-graph kinds (DraftGraphSpec.kind): which drafter drives the graph, and which rewrite adds it
+HEADS_KIND = "heads"  # drafters.Heads (rewrites.DraftHeads)
+FEATURE_KIND = "feature"  # drafters.Feature (rewrites.FeatureDraft)
+EARLY_EXIT_KIND = "early-exit"  # drafters.SelfDraft (rewrites.EarlyExit, rewrites.LayerSkip)
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
 
 

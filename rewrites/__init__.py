@@ -1,9 +1,10 @@
 """Graph rewrites, one module each. Each defines a Pass subclass, known by its class name to
 Pipeline.from_json through passes.registry."""
 
-from .draft_heads import DRAFT_HEADS, HEADS_KIND, DraftHeads
-from .feature_draft import FEATURE_DRAFT, FEATURE_KIND, FeatureDraft
-from .early_exit import EARLY_EXIT, EARLY_EXIT_KIND, EarlyExit, EarlyExitConfig
+from ..ir.draft import EARLY_EXIT_KIND, FEATURE_KIND, HEADS_KIND  # draft-graph kinds, defined once
+from .draft_heads import DRAFT_HEADS, DraftHeads
+from .feature_draft import FEATURE_DRAFT, FeatureDraft
+from .early_exit import EARLY_EXIT, EarlyExit, EarlyExitConfig
 from .kv_eviction import A2SF, H2O, KV_EVICTION, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV
 from .ladder_residual import LADDER_RESIDUAL, LadderResidual
 from .layer_skip import LAYER_SKIP, LayerSkip

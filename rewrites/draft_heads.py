@@ -20,13 +20,12 @@ import torch.fx
 
 from ..common.errors import GraphVerificationError, InvalidParameterError
 from ..ir import arch_of
-from ..ir.draft import ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
+from ..ir.draft import HEADS_KIND, ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
 from ..ir.roles import Role
 from ..passes.draft import DraftGraphPass
 from ..passes.export import ExportHook
 
 DRAFT_HEADS = "draft_heads"
-HEADS_KIND = "heads"  # the draft-graph kind drafters.Heads drives
 
 
 @dataclass(frozen=True)

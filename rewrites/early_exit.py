@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..drafters.self_draft import EARLY_EXIT_KIND  # the draft-graph kind drafters.SelfDraft drives
 from ..common.errors import GraphVerificationError, InvalidParameterError
 from ..ir import arch_of, info
-from ..ir.draft import DraftGraphSpec, DraftTensor, draft_graph, resume_graph
+from ..ir.draft import EARLY_EXIT_KIND, DraftGraphSpec, DraftTensor, draft_graph, resume_graph
 from ..ir.roles import Role, annotate
 from ..ir.split import EXIT_HIDDEN, exit_graph
 from ..ir.split import resume_graph as cut_resume_graph
@@ -108,6 +107,12 @@ class EarlyExit(DraftGraphPass):
 
     def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return cut_resume_graph(gm, self.layer)
+
+    def runtime_hook(self, step):
+        """The verify step resumes above the exit from the draft's states (rewrites.exit_resume)."""
+        from .exit_resume import ExitResume
+
+        return ExitResume(step)
 
     @classmethod
     def config_from_dict(cls, data: dict) -> EarlyExitConfig:

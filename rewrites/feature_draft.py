@@ -19,14 +19,13 @@ import torch.fx
 
 from ..common.errors import GraphVerificationError, InvalidParameterError, SpecpassError
 from ..ir import arch_of
-from ..ir.draft import DRAFT_STATES, ROWS, DraftGraphSpec, DraftTensor, add_step_output, draft_spec, step_output, trace_draft
+from ..ir.draft import DRAFT_STATES, FEATURE_KIND, ROWS, DraftGraphSpec, DraftTensor, add_step_output, draft_spec, step_output, trace_draft
 from ..ir.roles import Role, annotate
 from ..ir.split import layer_output
 from ..passes.draft import DraftGraphPass
 from ..passes.export import ExportHook
 
 FEATURE_DRAFT = "feature_draft"
-FEATURE_KIND = "feature"  # the draft-graph kind the feature drafter drives
 FUSE_MODULE = "feature_fuse"  # the step's submodule: the draft's fuse
 
 

@@ -75,6 +75,12 @@ class LayerSkip(DraftGraphPass):
     def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return cut_resume_graph(gm, self.skip[0])
 
+    def runtime_hook(self, step):
+        """The verify step resumes above the first skipped layer from the draft's states (rewrites.exit_resume)."""
+        from .exit_resume import ExitResume
+
+        return ExitResume(step)
+
     @classmethod
     def config_from_dict(cls, data: dict) -> EarlyExitConfig:
         return EarlyExitConfig(**data)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.errors import SpecpassError
-from ..ir.layout import RowsLayout
+from ..ir.layout import SlotLayout
 from ..passes.runtime import RuntimeHook
 
 
@@ -47,6 +47,6 @@ class Lockstep(RuntimeHook):
     def agreed_seconds(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
         return rank0_floats(seconds)
 
-    def after_commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
+    def after_commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
         check_same_paths(paths)
         return committed

@@ -109,7 +109,7 @@ class TensorParallel(Pass):
                    f"logits gathered over the vocabulary")  # fmt: skip
         return PassResult(gm, modified=True, summary=summary)
 
-    def runtime_hook(self, gm: torch.fx.GraphModule):
+    def runtime_hook(self, step):
         """Every rank's loop in lockstep (rewrites.lockstep)."""
         from .lockstep import Lockstep
 

@@ -371,13 +371,13 @@ def recorded_logits(program):
     records: list[list[torch.Tensor]] = []
     live: list[int] = []
     last: dict[str, torch.Tensor] = {}
-    forward, from_exit, commit, keep_rows = program.forward, program.forward_from_exit, program.commit, program.keep_rows
+    forward, verify, commit, keep_rows = program.forward, program.verify, program.commit, program.keep_rows
 
     def recording(run):
         def call(*args):
-            logits, hidden = run(*args)
+            logits, *rest = run(*args)  # forward: (logits, hidden); verify: (logits, hidden, resumed)
             last["logits"] = logits.detach().float().cpu()
-            return logits, hidden
+            return (logits, *rest)
 
         return call
 
@@ -393,9 +393,9 @@ def recorded_logits(program):
         live[:] = [live[i] for i in keep]
         return keep_rows(keep, slots)
 
-    program.forward, program.forward_from_exit = recording(forward), recording(from_exit)
+    program.forward, program.verify = recording(forward), recording(verify)
     program.commit, program.keep_rows = committing, keeping
     try:
         yield records
     finally:
-        del program.forward, program.forward_from_exit, program.commit, program.keep_rows
+        del program.forward, program.verify, program.commit, program.keep_rows

@@ -28,7 +28,7 @@ from .fuse_projections import fuse_projections
 from .gguf import gguf_planes, pack_gguf_linears
 from ...common.errors import InvalidParameterError
 from ...ir.draft import draft_graph, draft_spec, resume_graph
-from ...ir.layout import RowsLayout
+from ...ir.layout import SlotLayout
 
 
 class Step(Protocol):
@@ -40,7 +40,7 @@ class Step(Protocol):
     input_names: list[str]
     device: torch.device
 
-    def __call__(self, input_ids: torch.Tensor, layout: RowsLayout) -> tuple: ...
+    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout) -> tuple: ...
 
     def run_graph(self, inputs: dict) -> tuple: ...
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ir.layout import RowsLayout, SlotLayout
+from ...ir.layout import SlotLayout
 
 PROMPT = 45  # tokens of the first prompt (odd, and large enough that elementwise ops split it over threads)
 OTHER_PROMPT = 6  # of the second row's prompt
@@ -80,11 +80,11 @@ class _Runner:
         return [-1] + [i - 1 if draws[i] % 2 else draws[i] // 2 % i for i in range(1, n)]
 
     def forward(self, tokens: list[torch.Tensor], rows: list[SlotLayout]) -> torch.Tensor:
-        layout = RowsLayout.of(rows)
+        layout = SlotLayout.of(rows)
         return self.program.forward(layout.pad_tokens(tokens), layout)[0].cpu()  # [B, T, V]
 
     def commit(self, rows: list[SlotLayout], paths: list[list[int]]) -> None:
-        self.program.compact(RowsLayout.of(rows), paths)
+        self.program.compact(SlotLayout.of(rows), paths)
 
     def committed_cache(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(c[:, 0, :, :slots].cpu() for c in self.program.kv_buffers())
@@ -119,7 +119,7 @@ class _Runner:
         c, n = self.prompt, self.nodes
         layout = _tree_layout(c, self.parents)
         logits = self.forward([self.tree_tokens], [layout])[0]  # [N, V]
-        depths = (layout.ancestors.sum(-1) - 1).tolist()
+        depths = (layout.ancestors[0].sum(-1) - 1).tolist()
         deepest = max(range(n), key=depths.__getitem__)
         picks = sorted({0, deepest, *torch.randperm(n, generator=self.gen)[: ALONE_NODES - 2].tolist()})
         for node in picks:
@@ -160,7 +160,7 @@ def _tree_layout(committed: int, parents: list[int]) -> SlotLayout:
         if p >= 0:
             ancestors[i] = ancestors[p]
         ancestors[i, i] = True
-    return SlotLayout(committed, ancestors)
+    return SlotLayout.tree(committed, ancestors)
 
 
 def _path(parents: list[int], node: int) -> list[int]:

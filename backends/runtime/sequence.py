@@ -29,7 +29,7 @@ class CacheCursor:
     seen: int = 0
 
     def layout(self, ancestors: torch.Tensor) -> SlotLayout:
-        return SlotLayout(self.cached, ancestors, evicted=self.seen - self.cached)
+        return SlotLayout.tree(self.cached, ancestors, evicted=self.seen - self.cached)
 
     def advance(self, cached: int, accepted: int) -> None:
         """After a commit of `accepted` tokens that left `cached` slots committed (fewer after an eviction)."""

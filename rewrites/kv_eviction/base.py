@@ -142,11 +142,17 @@ class KVEviction(Pass):
                    f"{layers} layers; policy state {state_bytes / 2**20:.2f} MiB")  # fmt: skip
         return PassResult(gm, True, summary)
 
-    def runtime_hook(self, gm: torch.fx.GraphModule):
+    def runtime_hook(self, step):
         """The policy's graphs run after each commit (rewrites.kv_eviction.runtime.GraphEviction)."""
         from .runtime import GraphEviction
 
-        return GraphEviction(gm, gm.meta[EVICTION_META])
+        return GraphEviction(step.graph_module, step.graph_module.meta[EVICTION_META])
+
+    def onnx_runtime_hook(self, program):
+        """The exported policy graphs run on ORT after each commit (rewrites.kv_eviction.onnx_runtime)."""
+        from .onnx_runtime import OrtEviction
+
+        return OrtEviction(program, self)
 
     def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype):
         """The policy's graphs beside the exported step (rewrites.kv_eviction.export)."""

@@ -7,7 +7,7 @@ outputs new_scores / new_window (a policy without state has no observe.onnx). ev
 and the state -> kept_keys, kept_values, kept_scores, the kept slots first, in sequence order. Both are
 `ops.observed` / `ops.evicted`, the functions the PyTorch eviction graphs run, so ORT keeps the same
 slots up to float rounding. They are exported for one row; a runtime runs them on each row's slices
-(backends.onnx.eviction.OrtEviction). The manifest entry "eviction" names the files and state shapes.
+(rewrites.kv_eviction.onnx_runtime.OrtEviction). The manifest entry "eviction" names the files and state shapes.
 """
 
 from __future__ import annotations

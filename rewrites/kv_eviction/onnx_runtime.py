@@ -1,23 +1,21 @@
-"""A KV-eviction step's policy on ONNX Runtime: its two graphs (rewrites.kv_eviction.export, written
+"""A KV-eviction export's runtime half on ONNX Runtime: its two graphs (rewrites.kv_eviction.export, written
 beside the step by its export hook) run on ORT after each commit.
 
-The runtime (`OrtEviction`) holds the cache and the state as torch tensors bound with IOBinding, so
-the cache stays `budget` slots: memory falls on ORT as it does in PyTorch (an eviction holds a
-second copy of the cache for the moment it runs: evict.onnx is functional).
+`OrtEviction` holds the state as torch tensors bound with IOBinding beside the ORT program's cache, so the
+cache stays `budget` slots: memory falls on ORT as it does in PyTorch (an eviction holds a second copy of
+the cache for the moment it runs: evict.onnx is functional). It opens and runs its sessions through the
+program (`open_session`, `run_session`), so this rewrite imports nothing of the backends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from .ort import ort_session, run_bound
-from ...rewrites.kv_eviction import KVEviction
-from ...rewrites.kv_eviction.export import state_names
-from ...rewrites.kv_eviction.runtime import Eviction
+from .export import state_names
+from .runtime import Eviction
 
 
 class OrtEviction(Eviction):
@@ -26,13 +24,13 @@ class OrtEviction(Eviction):
     The graphs are exported for one row: in a batch each row runs them on its own slices (copied to
     contiguous tensors for the binding, and the results copied back), with its own state row."""
 
-    def __init__(self, program, directory: str, entry: dict, policy: KVEviction):
+    def __init__(self, program, policy):
         self.program = program  # backends.onnx.program.OrtProgram: keys, values [L, B, KV, budget, D], queries
-        self.policy = policy
+        self.policy = policy  # the KVEviction pass
         self.device = program.device
-        observe = entry["observe"]
-        self.observe_session = ort_session(os.path.join(directory, observe), self.device) if observe else None
-        self.evict_session = ort_session(os.path.join(directory, entry["evict"]), self.device)
+        entry = program.manifest["eviction"]  # what the export hook wrote (rewrites.kv_eviction.export)
+        self.observe_session = program.open_session(entry["observe"]) if entry["observe"] else None
+        self.evict_session = program.open_session(entry["evict"])
         self.names = state_names(policy)
         dtypes = {"scores": torch.float32, "window": program.dtype}
         self.state = {name: torch.zeros(entry["state"][name], dtype=dtypes[name], device=self.device)
@@ -64,7 +62,7 @@ class OrtEviction(Eviction):
                   "keys": self.program.keys[:, row].contiguous(), "first_slot": torch.tensor(first_slot, device=self.device),
                   "positions": positions, **state}  # fmt: skip
         outputs = {f"new_{name}": torch.empty_like(state[name]) for name in self.names}
-        run_bound(self.observe_session, self.device, inputs, outputs)
+        self.program.run_session(self.observe_session, inputs, outputs)
         for name in self.names:
             self.state[name][:, row] = outputs[f"new_{name}"]
 
@@ -76,7 +74,7 @@ class OrtEviction(Eviction):
         outputs = {"kept_keys": torch.empty_like(keys), "kept_values": torch.empty_like(values)}
         if self.policy.scored:
             outputs["kept_scores"] = torch.empty_like(state["scores"])
-        run_bound(self.evict_session, self.device, inputs, outputs)
+        self.program.run_session(self.evict_session, inputs, outputs)
         self.program.keys[:, row] = outputs["kept_keys"]  # in place: bindings (CUDA graphs) keep the cache's memory
         self.program.values[:, row] = outputs["kept_values"]
         if self.policy.scored:
