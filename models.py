@@ -63,8 +63,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
     if damage is not None:
         warnings.warn(f"specpass: the converted model in {entry} is damaged ({damage}); converting it again", stacklevel=2)
     if not _complete(entry):
-        if importlib.util.find_spec("gguf") is None:
-            raise SpecpassError(f"converting a GGUF file ({path}) needs the gguf package: pip install 'specpass[gguf]'")
+        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise SpecpassError(f"converting a GGUF file ({path}) needs {' and '.join(missing)}: "
+                                "pip install 'specpass[gguf]'")
         unstored = _convert_once(path, entry, dtype)
         if unstored is not None:  # the cache could not keep it: this load's own conversion
             model, tokenizer = unstored

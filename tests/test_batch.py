@@ -288,7 +288,7 @@ def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
     committed = [program.k_cache[:, b, :, :n].clone() for b, n in enumerate((7, 4))]
     expected, _ = program.forward(tokens, layout)  # [2, 3, V]
     real = [program.k_cache[:, 0, :, 7:10].clone(), program.k_cache[:, 1, :, 4:6].clone()]
-    inputs = layout.step_inputs(tokens, size=8, batch=4)
+    inputs = layout.padded(8, 4).step_inputs(tokens)
     assert inputs["input_ids"].shape == (4, 8) and inputs["kv_len"] == 15
     assert inputs["cache_slots"][2:].tolist() == [list(range(8))] * 2  # padding rows: dead cache rows' first slots
     inputs["kv_len"] = 256  # a bucket's attended length: slots past each row's tree are hidden
@@ -300,7 +300,7 @@ def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
     torch.testing.assert_close(program.k_cache[:, 0, :, 7:10], real[0])
     torch.testing.assert_close(program.k_cache[:, 1, :, 4:6], real[1])
     with pytest.raises(ValueError, match="cannot pad"):
-        layout.step_inputs(tokens, size=2)
+        layout.padded(2, 2)
 
 
 @needs_cxx

@@ -102,7 +102,7 @@ def test_a_missing_extra_is_named_with_its_install_line(monkeypatch, tmp_path):
     never_converted = tmp_path / "other.gguf"
     never_converted.write_bytes(b"GGUF")
     monkeypatch.setenv("SPECPASS_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(specpass.SpecpassError, match=r"gguf package: pip install 'specpass\[gguf\]'"):
+    with pytest.raises(specpass.SpecpassError, match=r"needs gguf: pip install 'specpass\[gguf\]'"):
         models.load_gguf(str(never_converted))
     absent.update({"onnxscript"})
     with pytest.raises(specpass.ExportError, match=r"needs onnxscript: pip install 'specpass\[onnx\]'"):

@@ -60,7 +60,8 @@ def check_invariance(program, seed: int = 0) -> InvarianceCheck:
 class _Runner:
     def __init__(self, program, gen: torch.Generator):
         self.program, self.gen = program, gen
-        room = program.cache_size if program.max_step is None else min(program.cache_size, program.max_step)
+        step = program.hooks.max_step
+        room = program.cache_size if step is None else min(program.cache_size, step)
         self.prompt = min(PROMPT, max(2, program.cache_size // 3), room)
         self.nodes = max(1, min(TREE_NODES, program.max_nodes, room, program.cache_size - self.prompt))
         self.tokens = self._tokens(self.prompt)
