@@ -5,7 +5,8 @@
 
 * a captured specpass decode step (`specpass.ir.capture`, what `specpass.generate` builds for the
   compiled model): the options' pipeline runs on it, verified after every pass, and the result is
-  lowered (eager FX or CUDA graphs) and returned as the step the decode loop drives;
+  lowered through the lowering registry (backends.lowering.registry: eager, oneDNN, inductor, CUDA
+  graphs, gguf, gguf-compiled; `auto` picks one) and returned as the step the decode loop drives;
 * dynamo's graph of the HF model's own forward (when the compiled model is simply called): its
   architecture is checked from the graph's module metadata and it runs unchanged, so `compiled(ids)`
   stays the model's forward.
@@ -19,12 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.backends.lowering.registry import lower
-from specpass.backends.options import CompileOptions
-from specpass.errors import UnsupportedArchitectureError
-from specpass.ir import ArchSpec, SlotLayout, arch_of, is_captured_step
-from specpass.ir.families import MODELING_MODULES, SUPPORTED_ARCHITECTURES
-from specpass.passes import PassReport, Pipeline
+from .lowering.registry import lower
+from .options import CompileOptions
+from ..common.errors import UnsupportedArchitectureError
+from ..ir import ArchSpec, SlotLayout, arch_of, is_captured_step
+from ..ir.families import MODELING_MODULES, SUPPORTED_ARCHITECTURES
+from ..passes import PassReport, Pipeline
 
 
 def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
@@ -39,7 +40,7 @@ def specpass_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, 
 class CompiledStep:
     """A rewritten, lowered decode step: call it with the graph's inputs as keywords."""
 
-    run: Callable  # the lowering (EagerStep, FastestPerSize or CudaGraphStep): run(input_ids, layout)
+    run: Callable  # the lowered step (a registry Step: EagerStep, InductorStep, CudaGraphStep, ...): run(ids, layout)
     draft: Callable | None  # the lowered draft graph (ir.draft), if the pipeline adds one: draft.run_graph(inputs)
     resume: Callable | None  # with a cache-sharing draft graph: the lowered resume graph (ir.split)
     graph_module: torch.fx.GraphModule  # the rewritten graph, owner of the KV cache buffers

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from specpass.backends.lowering.registry import AUTO, LOWERINGS
-from specpass.drafters import Drafter, default_drafter
-from specpass.errors import InvalidParameterError
-from specpass.ir import ArchSpec
-from specpass.passes import Pipeline
-from specpass.rewrites import TreeAttention
+from .lowering.registry import AUTO, LOWERINGS
+from ..drafters import Drafter, default_drafter
+from ..common.errors import InvalidParameterError
+from ..ir import ArchSpec
+from ..passes import Pipeline
+from ..rewrites import TreeAttention
 
 
 
@@ -33,11 +33,11 @@ def default_pipeline(arch: ArchSpec | None = None) -> Pipeline:
 class CompileOptions:
     """pipeline: the rewrites applied to the captured step (None: `default_pipeline` fitted to the
     model: TreeAttention(64), shorter below a sliding window of 64 or less); drafter: who proposes the trees;
-    lowering: eager, onednn (float32 on CPU), gguf (the linears read the quantized blocks of the GGUF
-    file the model was loaded from, on a CPU; not float32-exact: backends/lowering/gguf.py), inductor (TorchInductor; replayed in CUDA graphs on
-    CUDA), cudagraphs (the FX step in CUDA graphs) or auto (inductor on CUDA; on a CPU with oneDNN
-    both eager and onednn, each tree size run on the one its measured cost curve says is faster; else
-    eager);
+    lowering: eager, onednn (float32 or bfloat16 on a CPU), gguf (the linears read the quantized blocks
+    of the GGUF file the model was loaded from, on a CPU; not float32-exact: backends/lowering/gguf.py),
+    gguf-compiled (the gguf step compiled whole ahead of time: backends/lowering/aot_compiled.py), inductor
+    (TorchInductor; replayed in CUDA graphs on CUDA), cudagraphs (the FX step in CUDA graphs) or auto
+    (inductor on CUDA; on a CPU onednn where oneDNN runs the dtype, else eager: one lowering a program);
     cache_size: static KV-cache slots (prompt + generated tokens + one tree);
     budget: "cost" (each step verifies the prefix of the drafted tree that maximises expected tokens
     per second on the measured cost curve) or an int N (always the first N nodes: a fixed budget,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from specpass.backends.options import CompileOptions
-from specpass.errors import SpecpassError
+from .options import CompileOptions
+from ..common.errors import SpecpassError
 
 
 def _compile_wrapper(compiled: nn.Module):
@@ -31,7 +31,7 @@ def resolve(model: nn.Module, options=None) -> tuple[nn.Module, CompileOptions]:
     if orig is None:
         return model, CompileOptions.from_mapping(options)
     wrapper = _compile_wrapper(model)
-    from specpass.backends.compile import specpass_backend
+    from .compile import specpass_backend
 
     if getattr(wrapper.compiler_fn, "__wrapped__", wrapper.compiler_fn) is not specpass_backend:
         raise SpecpassError(f"the model was compiled with backend {wrapper.compiler_name!r}, not 'specpass'")

@@ -27,8 +27,8 @@ import specpass
 from specpass.research import prompts as P
 from specpass.research.bench import run_identity, write_report
 from specpass.drafters import SelfDraft
-from specpass.heads.exit_training import ExitTrainConfig, exit_data, train_exit_adapter
-from specpass.heads.train import Continuation, generate_corpus
+from specpass.research.exit_training import ExitTrainConfig, exit_data, train_exit_adapter
+from specpass.research.heads_training import Continuation, generate_corpus
 from specpass.rewrites import EarlyExit, TreeAttention
 from specpass.research.training_prompts import held_out_prompts, training_prompts
 

@@ -26,9 +26,9 @@ import warnings
 import torch
 
 import specpass
-from specpass.heads.feature_training import FeatureTrainConfig, measure_chain_accuracy, train_feature_draft, with_features
+from specpass.research.feature_training import FeatureTrainConfig, measure_chain_accuracy, train_feature_draft, with_features
 from specpass.heads.io import load_feature_draft, shipped_heads
-from specpass.heads.train import Continuation, generate_corpus
+from specpass.research.heads_training import Continuation, generate_corpus
 from specpass.research.bench import run_identity, write_report
 from specpass.research.training_prompts import held_out_prompts, training_modules
 

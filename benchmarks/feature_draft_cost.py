@@ -22,7 +22,7 @@ import torch
 import specpass
 from specpass.heads.feature_draft import FeatureDraftLayer, config_for
 from specpass.heads.io import model_fingerprint, save_feature_draft
-from specpass.ir import RowsLayout, SlotLayout
+from specpass.ir import SlotLayout
 from specpass.models import load_default_model
 from specpass.research import bench
 from specpass.rewrites import FeatureDraft, TreeAttention
@@ -57,7 +57,7 @@ def main() -> None:
         pipeline = specpass.Pipeline(TreeAttention(64), FeatureDraft(directory))
         program = specpass.compile_program(model, {"pipeline": pipeline, "drafter": specpass.drafters.Feature()})
     p, kv, d, h = args.prefix, config.num_kv_heads, config.head_dim, config.hidden_size
-    layout = RowsLayout.of((SlotLayout.chain(p, 1),))
+    layout = SlotLayout.of((SlotLayout.chain(p, 1),))
     token = torch.tensor([[1]])
     verify_ms = _median_ms(lambda: program.forward(token, layout), args.repeats)
     keys, values = torch.randn(1, kv, p, d), torch.randn(1, kv, p, d)

@@ -22,9 +22,9 @@ import os
 
 import torch
 
-from specpass.heads.feature_training import measure_chain_accuracy
+from specpass.research.feature_training import measure_chain_accuracy
 from specpass.heads.io import load_feature_draft
-from specpass.heads.train import generate_corpus
+from specpass.research.heads_training import generate_corpus
 from specpass.models import load_default_model
 from specpass.research import bench
 from specpass.research.training_prompts import held_out_prompts, training_prompts

@@ -38,9 +38,9 @@ import specpass
 from specpass.research import prompts as P
 from specpass.backends.runtime.program import forget_programs
 from specpass.research.bench import run_identity, write_report
-from specpass.heads.train import generate_corpus
+from specpass.research.heads_training import generate_corpus
 from specpass.research.ladder_training import LadderTrainConfig, layer_parameters, recover_ladder
-from specpass.ir import RowsLayout, SlotLayout
+from specpass.ir import SlotLayout
 from specpass.rewrites import LadderResidual, TreeAttention
 from specpass.research.training_prompts import training_prompts
 
@@ -56,7 +56,7 @@ def _ladder_counts(num_layers: int) -> dict[str, int]:
 @torch.no_grad()
 def _text_logits(program, texts: list[torch.Tensor]) -> list[torch.Tensor]:
     """Logits [T, V] of each text as one prefill through the program's step."""
-    return [program.forward(ids[None], RowsLayout.of((SlotLayout.chain(0, len(ids)),)))[0][0].float() for ids in texts]
+    return [program.forward(ids[None], SlotLayout.of((SlotLayout.chain(0, len(ids)),)))[0][0].float() for ids in texts]
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

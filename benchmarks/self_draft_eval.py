@@ -31,7 +31,7 @@ from specpass.research.bench import CODE_OFFSET, run_identity, write_report
 from specpass.drafters import Combined, PromptLookup, SelfDraft, TokenRecycling
 from specpass.heads.exit_adapter import read_exit_adapter_config
 from specpass.heads.io import shipped_heads
-from specpass.ir.layout import RowsLayout, SlotLayout
+from specpass.ir.layout import SlotLayout
 from specpass.rewrites import EarlyExit, LayerSkip, TreeAttention
 
 SEARCHED_SKIP = (3, 25)  # skip_search's set of 2 on HumanEval[150:152] continuations (2026-11-26)
@@ -101,7 +101,7 @@ def _call_costs(model, layer: int) -> dict:
     options = {"pipeline": specpass.Pipeline(TreeAttention(16), EarlyExit(layer, adapter="default")),
                "drafter": SelfDraft(4)}  # fmt: skip
     program = specpass.compile_program(model, options)
-    layout = SlotLayout(300, torch.ones(1, 1, dtype=torch.bool))
+    layout = SlotLayout.tree(300, torch.ones(1, 1, dtype=torch.bool))
     ids = torch.tensor([[1]])
 
     def median(fn) -> float:
@@ -115,7 +115,7 @@ def _call_costs(model, layer: int) -> dict:
         return statistics.median(times)
 
     draft = median(lambda: program.draft(**layout.step_inputs(ids)))
-    verify = median(lambda: program.forward(ids, RowsLayout.of((layout,))))
+    verify = median(lambda: program.forward(ids, SlotLayout.of((layout,))))
     return {"draft_call_ms": round(draft * 1e3, 3), "one_token_verify_ms": round(verify * 1e3, 3),
             "ratio": round(draft / verify, 3)}  # fmt: skip
 

@@ -20,7 +20,7 @@ import shutil
 import torch
 
 import specpass
-from specpass.ir.layout import RowsLayout, SlotLayout
+from specpass.ir.layout import SlotLayout
 from specpass.research import prompts as P
 from specpass.research.bench import CODE_OFFSET, run_identity, write_report
 
@@ -39,16 +39,16 @@ def logits_of(program, tokens: torch.Tensor) -> torch.Tensor:
     whole = _forward(program, tokens, SlotLayout.chain(0, n))
     head = n - ONE_AT_A_TIME
     _forward(program, tokens[:head], SlotLayout.chain(0, head))
-    program.compact(RowsLayout.of([SlotLayout.chain(0, head)]), [list(range(head))])
+    program.compact(SlotLayout.of([SlotLayout.chain(0, head)]), [list(range(head))])
     alone = []
     for i in range(head, n):
         alone.append(_forward(program, tokens[i : i + 1], SlotLayout.chain(i, 1)))
-        program.compact(RowsLayout.of([SlotLayout.chain(i, 1)]), [[0]])
+        program.compact(SlotLayout.of([SlotLayout.chain(i, 1)]), [[0]])
     return torch.cat([whole, *alone])  # [n + ONE_AT_A_TIME, V]
 
 
 def _forward(program, tokens: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
-    rows = RowsLayout.of([layout])
+    rows = SlotLayout.of([layout])
     return program.forward(rows.pad_tokens([tokens]), rows)[0][0].float().cpu()
 
 

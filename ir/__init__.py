@@ -3,13 +3,13 @@
 ir/ is the bottom layer: it imports nothing from passes/, rewrites/ or backends/.
 """
 
-from specpass.ir.arch import ArchSpec, arch_spec
-from specpass.ir.capture import arch_of, capture, copy_step, is_captured_step, model_parts, replace_node
-from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, draft_spec
-from specpass.ir.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of
-from specpass.ir.layout import RowsLayout, SlotLayout
-from specpass.ir.roles import NodeInfo, Role, info
-from specpass.ir.verify import verify
+from .arch import ArchSpec, arch_spec
+from .capture import arch_of, capture, copy_step, is_captured_step, model_parts, replace_node
+from .draft import DraftGraphSpec, DraftTensor, draft_graph, draft_spec
+from .families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of
+from .layout import SlotLayout
+from .roles import NodeInfo, Role, info
+from .verify import verify
 
 __all__ = [
     "FAMILIES",
@@ -20,7 +20,6 @@ __all__ = [
     "Family",
     "NodeInfo",
     "Role",
-    "RowsLayout",
     "SlotLayout",
     "arch_of",
     "arch_spec",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.ir.families import family_of
+from .families import family_of
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.errors import InvalidParameterError
-from specpass.ir import decode_step as ds
-from specpass.ir import ops
-from specpass.ir.arch import ArchSpec, arch_spec
-from specpass.ir.draft import SIDE_GRAPHS
-from specpass.ir.families import ModelParts, family_of
-from specpass.ir.roles import META_KEY, NodeInfo, Role
-from specpass.ir.verify import verify
+from ..common.errors import InvalidParameterError
+from . import decode_step as ds
+from . import ops
+from .arch import ArchSpec, arch_spec
+from .draft import SIDE_GRAPHS
+from .families import ModelParts, family_of
+from .roles import META_KEY, NodeInfo, Role
+from .verify import verify
 
 ARCH_META = "specpass_arch"
 GGUF_META = "specpass_gguf"  # the GGUF file the model was loaded from (specpass.models), or None

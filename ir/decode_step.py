@@ -1,22 +1,14 @@
 """A decoder-only LM's decode step over a static KV cache, written as plain torch so that FX can trace it.
 
-The module reuses the Hugging Face model's own submodules, as its family lists them (`ir.families`:
-embedding, projections, norms, MLPs, LM head): weights are shared, never copied, and every
-numerically relevant op follows the HF modeling code so that float32 greedy decoding matches HF
-token for token. The capture assigns roles by this module's own attribute names (`q_proj`,
-`attention_norm`, `mlp`, ...), never by the HF classes' names. What differs between families
-(norm placement, fused projections, q/k norms, soft-capping, sliding windows, per-layer rotary,
-multipliers) is data in `ModelParts`, read here; there is one step for every family.
-
-Inputs of `DecodeStep.forward`:
-    input_ids  [B, T]  int64   tokens to run
-    positions  [B, T]  int64   rotary positions of those tokens
-    kv_len     int             how many cache slots attention reads (slots [0, kv_len))
-Outputs: logits [B, T, V] and the final normed hidden states [B, T, H].
-
-The captured (un-rewritten) step is a *chain* step: row b's token t is written into cache slot
-positions[b, t] of row b and attends to every slot <= its own position. The cache buffers hold B_max
-rows; a step of B <= B_max rows runs on the first B. `rewrites.TreeAttention` generalises that to trees.
+It reuses the HF model's own submodules as its family lists them (ir.families): weights shared, never
+copied, every numerically relevant op following HF's code, so float32 greedy decoding matches HF token
+for token. What differs between families is data in `ModelParts`: one step serves every family, and the
+capture assigns roles by this module's own attribute names, never by HF class names.
+`DecodeStep.forward(input_ids [B, T], positions [B, T], kv_len)` returns logits [B, T, V] and the final
+normed hidden states [B, T, H], attending over cache slots [0, kv_len). The captured step is a chain
+step: row b's token t writes slot positions[b, t] of cache row b and attends to every slot <= its
+position; a step of B rows runs on the first B of the cache's rows. rewrites.TreeAttention generalises
+that to trees.
 """
 
 from __future__ import annotations
@@ -25,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpass.ir.arch import ArchSpec
-from specpass.ir.families import AttentionParts, LayerParts, ModelParts, Rotary
-from specpass.ir.ops import sliding_window_visibility, softcapped_attention, write_cache
+from .arch import ArchSpec
+from .families import AttentionParts, LayerParts, ModelParts, Rotary
+from .ops import sliding_window_visibility, softcapped_attention, write_cache
 
 
 class RotaryPositions(nn.Module):

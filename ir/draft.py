@@ -1,31 +1,13 @@
 """The draft-graph protocol: a second FX graph beside a step's verify graph, and what it promises.
 
-A rewrite that drafts with a model of its own (draft heads today; an early-exit or layer-skip branch
-tomorrow) adds its graph as the step's submodule `draft` and describes it with a `DraftGraphSpec` in
-`gm.meta[DRAFT_META]`. Everything downstream reads only the spec:
-
-* the verifier checks the graph against it (lint, annotations, inputs in the declared order), then
-  the pass that added it checks its own invariants (`Pass.verify`);
-* the lowerings lower the graph like any other (eager, oneDNN-packed on a CPU) and call it with the
-  declared inputs as keywords, getting the declared outputs as a tuple;
-* the exporter writes it to `draft.onnx` with sample inputs made from the spec (`sample_inputs`),
-  every "N" dimension dynamic, and ONNX Runtime binds outputs it allocates from the spec;
-* a drafter drives the graphs whose `kind` it knows (`drafters.Heads` drives kind "heads") and reads
-  the kind's own `config` (for heads, `heads.modules.HeadsConfig`).
-
-Invariants every draft graph keeps: the verify graph is untouched by adding it, except for the
-outputs the pass declares for its draft (`add_step_output`: appended to the step's outputs, named in
-`gm.meta[STEP_OUTPUTS_META]`; the outputs before them are bit for bit what they were, and every
-lowering returns them; a feature draft's fused features are one); its inputs and outputs are exactly
-the spec's; weights it shares with the verify step are the step's own modules. A draft
-graph is called one of two ways:
-
-* by rows (heads): every input's first dimension is the row count N (rows are independent queries,
-  so N is dynamic); it reads no cache;
-* as a step (`shares_cache`: an early exit, ir.split): it takes the verify step's own inputs for the
-  tokens it runs (`SlotLayout.step_inputs`) and writes the step's KV cache for the layers it runs.
-  Such a draft comes with a resume graph (`RESUME_MODULE`) that finishes the remaining layers from
-  the draft's hidden state, so a token the draft ran is never run through those layers again.
+A rewrite that drafts with a model of its own adds its graph as the step's submodule `draft`, described
+by a `DraftGraphSpec` in `gm.meta[DRAFT_META]`; the verifier, the lowerings, the exporter and the drafters
+read only the spec. Invariants: adding it leaves the verify graph untouched, except for outputs the pass
+declares (`add_step_output`, named in `gm.meta[STEP_OUTPUTS_META]`; the outputs before them stay bit for
+bit); its inputs and outputs are exactly the spec's; weights it shares are the step's own modules. It is
+called by rows (every input's first dimension is the row count N; it reads no cache) or as a step
+(`shares_cache`: the step's own inputs for its tokens, writing the step's cache for its layers, with a
+resume graph, RESUME_MODULE, that finishes the other layers from its hidden state).
 """
 
 from __future__ import annotations
@@ -39,7 +21,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.ir.roles import META_KEY, NodeInfo, Role
+from .roles import META_KEY, NodeInfo, Role
 
 DRAFT_MODULE = "draft"  # the step's submodule holding the draft graph
 RESUME_MODULE = "resume"  # with a cache-sharing draft graph: the step's layers after the draft's (ir.split)
@@ -49,6 +31,10 @@ DRAFT_META = "specpass_draft"  # gm.meta key holding its DraftGraphSpec
 STEP_OUTPUTS_META = "specpass_step_outputs"  # gm.meta key: {name: index} of the outputs draft passes added
 DRAFT_STATES = "draft_states"  # a declared output the drafters read in place of the final hidden states
 ROWS = "N"  # the dynamic row dimension of a draft graph's inputs and outputs
+# draft-graph kinds (DraftGraphSpec.kind): which drafter drives the graph, and which rewrite adds it
+HEADS_KIND = "heads"  # drafters.Heads (rewrites.DraftHeads)
+FEATURE_KIND = "feature"  # drafters.Feature (rewrites.FeatureDraft)
+EARLY_EXIT_KIND = "early-exit"  # drafters.SelfDraft (rewrites.EarlyExit, rewrites.LayerSkip)
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
 
 

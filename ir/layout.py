@@ -1,30 +1,12 @@
-"""The KV-cache slot layout of one verify step: the one definition every cache user reads.
+"""The KV-cache slot layout of one verify step, for every row: the one definition every cache user reads.
 
-A step verifies T tokens (a draft tree, a chain, or a prompt) over a committed prefix:
-
-    slots [0, committed)                  the committed prefix: every token of the step sees all of it
-    slot  committed + i                   where token i's K/V is written (its write slot)
-    token i sees slot committed + j       iff ancestors[i, j] (j is i or an ancestor of i in the tree)
-    token i's rotary position             evicted + committed + depth(i), depth(i) = ancestors[i].sum() - 1
-    kv_len = committed + T                the slots a step attends over
-
-After verification the accepted path (node indices, root first) moves into consecutive slots
-committed, committed + 1, ... (`moves`), and the next step's committed length is committed + len(path).
-
-`evicted` counts committed tokens no longer in the cache (rewrites.kv_eviction; 0 without eviction).
-Rotary positions are the tokens' original positions in the sequence: a cached key keeps the rotary it
-was written with, so evicting a token is exactly hiding it from attention, and slots and positions
-part ways (slot = position only while nothing was evicted).
-
-The layout is built once per step on the host (`SlotLayout`), so no backend ever reads a length back
-from the device; the decode loop hands it to the program on the host, and each lowering moves what it
-needs to its device (a CUDA-graph replay pads on the host and copies the padded inputs once). Inside
-a graph it is encoded two ways, both defined here:
-
-* the static-cache step (rewrites.TreeAttention) takes `cache_slots` = the write slots and
-  `tree_mask` = the ancestor mask; row b's committed length is `cache_slots[b, 0]` (`slot_visibility`);
-* the functional step (backends.onnx.kv_io, for export) takes `past_mask` = `prefix_mask` and `tree_mask`
-  (`past_and_tree_visibility`).
+In a row, T tokens (a draft tree, a chain, or a prompt) go over a committed prefix: slots [0, committed)
+hold the prefix, which every token sees; token i writes slot committed + i and sees slot committed + j
+iff ancestors[i, j]; its rotary position is evicted + committed + depth(i) (evicted: committed tokens
+no longer cached, rewrites.kv_eviction). After verification the accepted path moves into slots
+committed, committed + 1, ... (`moves`). Built on the host once per step; inside a graph it is the
+static-cache step's `cache_slots` + `tree_mask` (`slot_visibility`) or the functional step's
+`past_mask` + `tree_mask` (`past_and_tree_visibility`, backends.onnx.kv_io).
 """
 
 from __future__ import annotations
@@ -38,33 +20,77 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class SlotLayout:
-    """Where one step's tokens live in the KV cache (see the module docstring)."""
+    """Where one step's tokens live in the KV cache, for each of its B rows (see the module docstring).
 
-    committed: int  # slots [0, committed) hold the committed prefix
-    ancestors: torch.Tensor  # [T, T] bool: ancestors[i, j] iff j is i or an ancestor of i
-    evicted: int = 0  # committed tokens evicted from the cache: the root's position is evicted + committed
+    Row b is sequence b in cache row b: committed[b] slots of committed prefix, sizes[b] real nodes
+    whose ancestor mask is ancestors[b, :sizes[b], :sizes[b]], evicted[b] evicted tokens. Every row is
+    padded to the same T: padding node k of a row (k >= its size) sees only itself, sits at the row's
+    next slot (committed_b + k, past its committed prefix: never read, overwritten by a later step)
+    and takes the position it would have there; its outputs are ignored. kv_len is the longest row's
+    committed + T; in row b the slots past committed_b + T are hidden by its mask. Every row needs
+    committed_b + T <= the cache's slots (the caller sizes T by the rows' room). One sequence is one row.
+    """
+
+    committed: tuple[int, ...]
+    ancestors: torch.Tensor  # [B, T, T] bool; a padding node's row and column: itself only
+    sizes: tuple[int, ...]
+    evicted: tuple[int, ...]
 
     def __post_init__(self):
-        if self.committed < 0 or self.evicted < 0:
+        batch = len(self.committed)
+        if not batch or self.ancestors.dim() != 3 or self.ancestors.shape[0] != batch or len(self.sizes) != batch \
+                or len(self.evicted) != batch:  # fmt: skip
+            raise ValueError("a slot layout needs at least one row, with one committed, size and evicted count each "
+                             f"and an ancestor mask [B, T, T]; got {batch} rows, mask {tuple(self.ancestors.shape)}")
+        if self.ancestors.shape[1] != self.ancestors.shape[2] or not 1 <= min(self.sizes) <= max(self.sizes) <= self.size:
+            raise ValueError(f"each row needs 1 to T nodes of a square mask, got sizes {self.sizes} and mask "
+                             f"{tuple(self.ancestors.shape)}")  # fmt: skip
+        if min(self.committed) < 0 or min(self.evicted) < 0:
             raise ValueError(f"committed and evicted counts must be >= 0, got {self.committed}, {self.evicted}")
-        if self.ancestors.dim() != 2 or self.ancestors.shape[0] != self.ancestors.shape[1] or self.size < 1:
-            raise ValueError(f"ancestors must be a non-empty square [T, T] mask, got {tuple(self.ancestors.shape)}")
         _check_order(self.ancestors)
 
     @classmethod
+    def tree(cls, committed: int, ancestors: torch.Tensor, evicted: int = 0) -> SlotLayout:
+        """One row: a tree of T nodes (ancestors [T, T]) over `committed` slots."""
+        if ancestors.dim() != 2:
+            raise ValueError(f"a tree's ancestor mask is [T, T], got {tuple(ancestors.shape)}")
+        return cls((committed,), ancestors[None], (ancestors.shape[0],), (evicted,))
+
+    @classmethod
     def chain(cls, committed: int, size: int, device: torch.device | str = "cpu", evicted: int = 0) -> SlotLayout:
-        """T tokens in a row (a prompt, or a draft chain): token i's ancestors are tokens 0..i-1."""
-        return cls(committed, torch.ones(size, size, dtype=torch.bool, device=device).tril(), evicted)
+        """One row of T tokens in a row (a prompt, or a draft chain): token i's ancestors are tokens 0..i-1."""
+        return cls.tree(committed, torch.ones(size, size, dtype=torch.bool, device=device).tril(), evicted)
+
+    @classmethod
+    def of(cls, layouts: Sequence[SlotLayout]) -> SlotLayout:
+        """The rows of `layouts`, in order, padded to one T (padding nodes as in the class docstring)."""
+        if not layouts:
+            raise ValueError("a slot layout needs at least one row")
+        t = max(layout.size for layout in layouts)
+        eye = torch.eye(t, dtype=torch.bool, device=layouts[0].device)
+        masks = [layout.ancestors if layout.size == t else padded_masks(layout.ancestors, eye) for layout in layouts]
+        return cls(sum((l.committed for l in layouts), ()), torch.cat(masks), sum((l.sizes for l in layouts), ()),
+                   sum((l.evicted for l in layouts), ()))  # fmt: skip
+
+    def row(self, b: int) -> SlotLayout:
+        """Row b alone (its unpadded mask)."""
+        n = self.sizes[b]
+        return SlotLayout((self.committed[b],), self.ancestors[b : b + 1, :n, :n], (n,), (self.evicted[b],))
+
+    @property
+    def rows(self) -> int:
+        """B."""
+        return len(self.committed)
 
     @property
     def size(self) -> int:
-        """T: the number of tokens the step verifies."""
-        return self.ancestors.shape[0]
+        """T: tokens per row in the forward (the largest row's, the others padded)."""
+        return self.ancestors.shape[1]
 
     @property
     def kv_len(self) -> int:
-        """Slots the step attends over: the committed prefix and the step's own write slots."""
-        return self.committed + self.size
+        """Slots the step attends over: the longest committed prefix and the step's own write slots."""
+        return max(self.committed) + self.size
 
     @property
     def device(self) -> torch.device:
@@ -76,27 +102,64 @@ class SlotLayout:
             return self
         return dataclasses.replace(self, ancestors=self.ancestors.to(device))
 
-    def write_slots(self) -> torch.Tensor:
-        """[T] int64: the slot each token's K/V is written to."""
-        return torch.arange(self.committed, self.kv_len, device=self.device)
-
     def positions(self) -> torch.Tensor:
-        """[T] int64: rotary positions, evicted + committed length + depth in the tree."""
-        return self.evicted + self.committed + self.ancestors.sum(-1) - 1
+        """[B, T] int64: rotary positions, evicted + committed + depth in the tree (padding node k: next + k)."""
+        start = torch.tensor([c + e for c, e in zip(self.committed, self.evicted)], device=self.device)  # [B]
+        k = torch.arange(self.size, device=self.device)  # [T]
+        real = k[None, :] < torch.tensor(self.sizes, device=self.device)[:, None]  # [B, T]
+        return start[:, None] + torch.where(real, self.ancestors.sum(-1) - 1, k[None, :])
+
+    def pad_tokens(self, tokens: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[B, T] int64: each row's tokens [T_b], zeros after them."""
+        ids = torch.zeros(self.rows, self.size, dtype=torch.long, device=tokens[0].device)
+        for b, row_tokens in enumerate(tokens):
+            ids[b, : row_tokens.shape[0]] = row_tokens
+        return ids
+
+    def padded(self, size: int, batch: int) -> SlotLayout:
+        """This step padded to `size` tokens a row and `batch` rows (a graph-replay bucket,
+        backends.lowering.buckets): padding nodes as in the class docstring, and a padding row is `size`
+        nodes each seeing only itself in slots 0 .. size - 1 of its cache row, a row no live sequence
+        uses (the loop keeps its live rows first, DecodeProgram.keep_rows)."""
+        if size < self.size or batch < self.rows:
+            raise ValueError(f"cannot pad a step of {self.rows} rows x {self.size} tokens to {batch} x {size}")
+        if (size, batch) == (self.size, self.rows):
+            return self
+        ancestors = torch.eye(size, dtype=torch.bool, device=self.device).repeat(batch, 1, 1)  # [batch, size, size]
+        ancestors[: self.rows, : self.size, : self.size] = self.ancestors
+        pad = (0,) * (batch - self.rows)
+        return SlotLayout(self.committed + pad, ancestors, self.sizes + (1,) * len(pad), self.evicted + pad)
 
     def step_inputs(self, input_ids: torch.Tensor) -> dict:
-        """The static-cache step's inputs for `input_ids` [B, T], every row laid out here (RowsLayout)."""
-        return RowsLayout.of((self,) * input_ids.shape[0]).step_inputs(input_ids)
+        """The static-cache step's inputs for `input_ids` [B', T'] (each row's tokens), zeros past them up to
+        the layout's [B, T] (a `padded` layout's padding nodes and rows)."""
+        if tuple(input_ids.shape) != (self.rows, self.size):
+            ids = torch.zeros(self.rows, self.size, dtype=input_ids.dtype, device=input_ids.device)
+            ids[: input_ids.shape[0], : input_ids.shape[1]] = input_ids
+            input_ids = ids
+        k = torch.arange(self.size, device=self.device)  # [T]
+        slots = torch.tensor(self.committed, device=self.device)[:, None] + k[None, :]  # [B, T]
+        return {"input_ids": input_ids, "positions": self.positions(), "kv_len": self.kv_len,
+                "tree_mask": self.ancestors, "cache_slots": slots}  # fmt: skip
 
-    def prefix_mask(self, slots: int) -> torch.Tensor:
-        """[T, slots] bool: which of a cache buffer's `slots` slots each token sees as committed prefix."""
-        return (torch.arange(slots, device=self.device) < self.committed).expand(self.size, slots)
+    def past_mask(self, slots: int) -> torch.Tensor:
+        """[B, T, slots] bool: which of a cache buffer's `slots` slots each token sees as committed prefix
+        (the functional step's `past_mask`, backends.onnx.kv_io)."""
+        committed = torch.tensor(self.committed, device=self.device)  # [B]
+        prefix = torch.arange(slots, device=self.device)[None, :] < committed[:, None]  # [B, slots]
+        return prefix[:, None, :].expand(self.rows, self.size, slots)
 
-    def moves(self, path: Sequence[int]) -> tuple[list[int], list[int]]:
-        """(source slots, destination slots) that compact the accepted `path` (node indices, root first)
-        into slots committed, committed + 1, ...; nodes already in place are left out."""
-        moved = [(self.committed + node, self.committed + i) for i, node in enumerate(path) if node != i]
-        return [s for s, _ in moved], [d for _, d in moved]
+    def moves(self, paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+        """(rows, source slots, destination slots) that compact each row's accepted path (node indices,
+        root first) into slots committed_b, committed_b + 1, ...; nodes already in place are left out."""
+        rows, sources, destinations = [], [], []
+        for b, (committed, path) in enumerate(zip(self.committed, paths, strict=True)):
+            for i, node in enumerate(path):
+                if node != i:
+                    rows.append(b)
+                    sources.append(committed + node)
+                    destinations.append(committed + i)
+        return rows, sources, destinations
 
 
 def slot_visibility(tree_mask: torch.Tensor, cache_slots: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -120,113 +183,6 @@ def past_and_tree_visibility(past_mask: torch.Tensor, tree_mask: torch.Tensor) -
     return torch.cat((past_mask, tree_mask), dim=-1).unsqueeze(1)
 
 
-@dataclass(frozen=True, eq=False)
-class RowsLayout:
-    """One step of several sequences in one forward: row b is laid out in its own cache row as a
-    `SlotLayout` of committed[b] slots, sizes[b] nodes and evicted[b] evicted tokens, its ancestor mask
-    ancestors[b, :sizes[b], :sizes[b]]; every row is padded to the same T.
-
-    Padding node k of a row (k >= the row's size) sees only itself, sits at the row's next slot
-    (committed_b + k, past its committed prefix: never read, overwritten by a later step) and takes
-    the position it would have there; its outputs are ignored. kv_len is the longest row's
-    committed + T; in row b the slots past committed_b + T are hidden by its mask. Every row needs
-    committed_b + T <= the cache's slots (the caller sizes T by the rows' room).
-    """
-
-    committed: tuple[int, ...]
-    ancestors: torch.Tensor  # [B, T, T] bool; a padding node's row and column: itself only
-    sizes: tuple[int, ...]
-    evicted: tuple[int, ...]
-
-    def __post_init__(self):
-        batch = len(self.committed)
-        if not batch or self.ancestors.shape[0] != batch or len(self.sizes) != batch or len(self.evicted) != batch:
-            raise ValueError("a rows layout needs at least one row, with one committed, size and evicted count each")
-        _check_order(self.ancestors)
-
-    @classmethod
-    def of(cls, rows: Sequence[SlotLayout]) -> RowsLayout:
-        """Per-row layouts padded into one (padding nodes as in the class docstring)."""
-        if not rows:
-            raise ValueError("a rows layout needs at least one row")
-        t = max(row.size for row in rows)
-        eye = torch.eye(t, dtype=torch.bool, device=rows[0].device)
-        ancestors = torch.stack([row.ancestors if row.size == t else padded_mask(row.ancestors, eye) for row in rows])
-        return cls(tuple(r.committed for r in rows), ancestors, tuple(r.size for r in rows), tuple(r.evicted for r in rows))
-
-    @property
-    def rows(self) -> tuple[SlotLayout, ...]:
-        """Each row's own layout (its unpadded mask)."""
-        return tuple(SlotLayout(c, self.ancestors[b, :n, :n], e)
-                     for b, (c, n, e) in enumerate(zip(self.committed, self.sizes, self.evicted)))  # fmt: skip
-
-    @property
-    def size(self) -> int:
-        """T: tokens per row in the forward (the largest row's, the others padded)."""
-        return self.ancestors.shape[1]
-
-    @property
-    def kv_len(self) -> int:
-        return max(self.committed) + self.size
-
-    @property
-    def device(self) -> torch.device:
-        return self.ancestors.device
-
-    def to(self, device: torch.device | str) -> RowsLayout:
-        if self.ancestors.device == torch.device(device):
-            return self
-        return dataclasses.replace(self, ancestors=self.ancestors.to(device))
-
-    def pad_tokens(self, tokens: Sequence[torch.Tensor]) -> torch.Tensor:
-        """[B, T] int64: each row's tokens [T_b], zeros after them."""
-        ids = torch.zeros(len(self.committed), self.size, dtype=torch.long, device=tokens[0].device)
-        for b, row_tokens in enumerate(tokens):
-            ids[b, : row_tokens.shape[0]] = row_tokens
-        return ids
-
-    def step_inputs(self, input_ids: torch.Tensor, size: int | None = None, batch: int | None = None) -> dict:
-        """The static-cache step's inputs for `input_ids` [B, T] (each row's tokens, padded), padded
-        further to `size` tokens a row and `batch` rows when given (a graph-replay bucket,
-        backends.lowering.cudagraphs): padding nodes as in the class docstring, and a padding row b >= B is
-        `size` nodes each seeing only itself in slots 0 .. size - 1 of cache row b, a row no live
-        sequence uses (the loop keeps its live rows first, DecodeProgram.keep_rows)."""
-        live, t = len(self.committed), self.size if size is None else size
-        batch = live if batch is None else batch
-        if t < self.size or batch < live:
-            raise ValueError(f"cannot pad a step of {live} rows x {self.size} tokens to {batch} x {t}")
-        device = self.device
-        if tuple(input_ids.shape) != (batch, t):
-            ids = torch.zeros(batch, t, dtype=input_ids.dtype, device=input_ids.device)
-            ids[:live, : input_ids.shape[1]] = input_ids
-            input_ids = ids
-        ancestors = self.ancestors
-        if tuple(ancestors.shape) != (batch, t, t):
-            ancestors = torch.eye(t, dtype=torch.bool, device=device).repeat(batch, 1, 1)  # [B, T, T]
-            ancestors[:live, : self.size, : self.size] = self.ancestors
-        pad = (0,) * (batch - live)  # a padding row: committed 0, no real node
-        committed = torch.tensor(self.committed + pad, device=device)  # [B]
-        start = committed + torch.tensor(self.evicted + pad, device=device)  # [B]
-        real = torch.tensor(self.sizes + pad, device=device)  # [B]
-        k = torch.arange(t, device=device)  # [T]
-        depth = ancestors.sum(-1) - 1  # [B, T]
-        positions = start[:, None] + torch.where(k[None, :] < real[:, None], depth, k[None, :])  # padding node k: next + k
-        slots = committed[:, None] + k[None, :]  # [B, T]
-        return {"input_ids": input_ids, "positions": positions, "kv_len": max(self.committed) + t,
-                "tree_mask": ancestors, "cache_slots": slots}  # fmt: skip
-
-    def moves(self, paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
-        """(rows, source slots, destination slots) compacting each row's accepted path (SlotLayout.moves)."""
-        rows, sources, destinations = [], [], []
-        for b, (committed, path) in enumerate(zip(self.committed, paths, strict=True)):
-            for i, node in enumerate(path):
-                if node != i:
-                    rows.append(b)
-                    sources.append(committed + node)
-                    destinations.append(committed + i)
-        return rows, sources, destinations
-
-
 def _check_order(ancestors: torch.Tensor) -> None:
     """Ancestors precede their descendants (each mask lower-triangular): a node's visible slots, in slot
     order, are then the committed prefix and its ancestors by depth, the order in which attention sums
@@ -235,8 +191,9 @@ def _check_order(ancestors: torch.Tensor) -> None:
         raise ValueError("a node's ancestors must precede it in the layout (an ancestor mask above its diagonal)")
 
 
-def padded_mask(ancestors: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
-    """[T, T]: a row's ancestor mask [T_b, T_b] in the top-left corner of `eye` (padding nodes see themselves)."""
-    mask = eye.clone()
-    mask[: ancestors.shape[0], : ancestors.shape[0]] = ancestors
+def padded_masks(ancestors: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+    """[B, T, T]: rows' ancestor masks [B, T_b, T_b] in the top-left corner of `eye` [T, T] (padding nodes see
+    only themselves)."""
+    mask = eye.repeat(ancestors.shape[0], 1, 1)
+    mask[:, : ancestors.shape[1], : ancestors.shape[1]] = ancestors
     return mask

@@ -13,8 +13,8 @@ import operator
 import torch
 import torch.fx
 
-from specpass.ir.ops import sliding_window_visibility, softcapped_attention, write_cache
-from specpass.ir.roles import Role, info, nodes_with_role
+from .ops import sliding_window_visibility, softcapped_attention, write_cache
+from .roles import Role, info, nodes_with_role
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 ATTENTION_FUNCTIONS = (SDPA, softcapped_attention)

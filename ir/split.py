@@ -1,27 +1,15 @@
-"""Cutting a decode step at a layer boundary: the graphs self-speculation runs.
+"""Cutting a decode step at a layer boundary: the graphs self-speculation runs (rewrites.EarlyExit,
+rewrites.LayerSkip).
 
-For an exit layer k (1 <= k < L) of a captured (and possibly rewritten) step:
-
-* `exit_graph(gm, k)` runs the embedding and layers [0, k), then the step's own final norm and LM
-  head on the hidden state after layer k (a plain early exit). It takes the step's inputs and returns
-  (logits [B, T, V], exit_hidden [B, T, H]): the exit's next-token logits and the raw residual stream
-  after layer k. Its cache writes are the step's own for layers [0, k), into the same buffers.
-* `resume_graph(gm, k)` runs layers [k, L), the final norm and the LM head from `exit_hidden`
-  [B, T, H] given as an input (in place of `input_ids`), with the step's other inputs; it returns the
-  step's outputs. Its cache writes are the step's own for layers [k, L).
-
-* `skip_graph(gm, skip, L)` runs the step with the layers in `skip` left out (each one's readers read
-  the residual stream after the last layer kept before it), then the final norm and LM head. It
-  returns (logits, exit_hidden) with exit_hidden the stream after layer min(skip) - 1: the layers
-  below the first skipped one are the step's own, so `resume_graph(gm, min(skip))` verifies from
-  there. Its cache writes for the layers below min(skip) are the step's own; those of the kept layers
-  above it are the draft's approximations, which the resumed verify step overwrites.
-
-Invariant (tested): for any tokens and slot layout, running `exit_graph` then `resume_graph` on its
-`exit_hidden` writes the same cache entries and returns the same outputs as the step itself, because
-both are the step's own nodes (same ops, same order), cut apart and never recomputed. The cut is made
-on the graph's annotations (ir.roles: every layer node carries its layer index), so it applies to any
-family and after any rewrite that keeps those annotations.
+`exit_graph(gm, k)`: the embedding and layers [0, k), then the step's final norm and LM head; returns
+(logits, exit_hidden), exit_hidden the residual stream after those layers. `resume_graph(gm, k)`: layers
+[k, L), final norm and LM head from an `exit_hidden` input; returns the step's outputs. `skip_graph(gm,
+skip, L)`: the step without the layers in `skip` (a skipped layer's readers read the stream after the
+last kept layer before it); returns (logits, exit_hidden before layer min(skip)). Each writes the step's
+own cache entries for its layers (skip_graph's above min(skip) are approximations, which the resumed
+verify overwrites). Invariant (tested): exit then resume writes the same cache entries and returns the
+same outputs as the step: both are the step's own nodes, cut apart, never recomputed. The cut reads the
+layer annotations (ir.roles), so it holds for every family and every rewrite that keeps them.
 """
 
 from __future__ import annotations
@@ -31,8 +19,8 @@ import copy
 import torch
 import torch.fx
 
-from specpass.ir import query
-from specpass.ir.roles import META_KEY, NodeInfo, Role, info
+from . import query
+from .roles import META_KEY, NodeInfo, Role, info
 
 EXIT_HIDDEN = "exit_hidden"  # the resume graph's input: the residual stream after the exit layer
 

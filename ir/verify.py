@@ -10,10 +10,10 @@ import collections
 
 import torch.fx
 
-from specpass.errors import GraphVerificationError
-from specpass.ir import query
-from specpass.ir.draft import draft_graph, draft_spec, resume_graph
-from specpass.ir.roles import META_KEY, Role, info, placeholder
+from ..common.errors import GraphVerificationError
+from . import query
+from .draft import draft_graph, draft_spec, resume_graph
+from .roles import META_KEY, Role, info, placeholder
 
 REQUIRED_INPUTS = ("input_ids", "positions", "kv_len")
 TREE_INPUTS = ("tree_mask", "cache_slots")

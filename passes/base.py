@@ -50,9 +50,15 @@ class Pass(ABC):
         """Check the invariants this pass established; raises GraphVerificationError. The manager runs
         it after the generic `ir.verify`, after this pass and after every later one."""
 
-    def runtime_hook(self, gm: torch.fx.GraphModule):
-        """This pass's runtime half for the step `gm` it rewrote (a passes.runtime.RuntimeHook), or None
-        (the default: the step needs nothing but forward and commit)."""
+    def runtime_hook(self, step):
+        """This pass's runtime half (a passes.runtime.RuntimeHook) for a PyTorch program of the step it
+        rewrote, lowered (`step`: a passes.runtime.LoweredStep), or None (the default: the step needs
+        nothing but forward and commit)."""
+        return None
+
+    def onnx_runtime_hook(self, program):
+        """This pass's runtime half for an ONNX Runtime program of its export (backends.onnx.program), or
+        None (the default)."""
         return None
 
     def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype):

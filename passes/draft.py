@@ -14,9 +14,9 @@ from typing import Any
 
 import torch.fx
 
-from specpass.errors import GraphVerificationError
-from specpass.ir.draft import DraftGraphSpec, attach_draft, draft_graph, draft_spec
-from specpass.passes.base import Pass, PassResult
+from ..common.errors import GraphVerificationError
+from ..ir.draft import DraftGraphSpec, attach_draft, draft_graph, draft_spec
+from .base import Pass, PassResult
 
 
 class DraftGraphPass(Pass):

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import networkx as nx
 import torch.fx
 
-from specpass.errors import PassMismatchError, PassPipelineError, SpecpassError
-from specpass.ir.capture import copy_step
-from specpass.ir.verify import verify
-from specpass.passes.base import CAPTURED, Pass
+from ..common.errors import PassMismatchError, PassPipelineError, SpecpassError
+from ..ir.capture import copy_step
+from ..ir.verify import verify
+from .base import CAPTURED, Pass
 
 
 @dataclass(frozen=True)

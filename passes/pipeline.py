@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 import torch.fx
 
-from specpass.errors import InvalidParameterError, PassPipelineError
-from specpass.passes.base import Pass
-from specpass.passes.manager import PassManager, PassReport, order_passes
-from specpass.passes.registry import known_passes
+from ..common.errors import InvalidParameterError, PassPipelineError
+from .base import Pass
+from .manager import PassManager, PassReport, order_passes
+from .registry import known_passes
 
 CHAIN_NODES = 16  # draft-chain length a pipeline without a tree rewrite verifies (the cost budget picks less)
 

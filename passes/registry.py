@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import inspect
 
-from specpass.errors import PassPipelineError
-from specpass.passes.base import Pass
+from ..common.errors import PassPipelineError
+from .base import Pass
 
 
 def _subclasses(cls: type) -> list[type]:

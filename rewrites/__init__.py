@@ -1,14 +1,15 @@
 """Graph rewrites, one module each. Each defines a Pass subclass, known by its class name to
 Pipeline.from_json through passes.registry."""
 
-from specpass.rewrites.draft_heads import DRAFT_HEADS, HEADS_KIND, DraftHeads
-from specpass.rewrites.feature_draft import FEATURE_DRAFT, FEATURE_KIND, FeatureDraft
-from specpass.rewrites.early_exit import EARLY_EXIT, EARLY_EXIT_KIND, EarlyExit, EarlyExitConfig
-from specpass.rewrites.kv_eviction import A2SF, H2O, KV_EVICTION, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV
-from specpass.rewrites.ladder_residual import LADDER_RESIDUAL, LadderResidual
-from specpass.rewrites.layer_skip import LAYER_SKIP, LayerSkip
-from specpass.rewrites.tensor_parallel import TENSOR_PARALLEL, TensorParallel
-from specpass.rewrites.tree_attention import TREE_ATTENTION, TreeAttention
+from ..ir.draft import EARLY_EXIT_KIND, FEATURE_KIND, HEADS_KIND  # draft-graph kinds, defined once
+from .draft_heads import DRAFT_HEADS, DraftHeads
+from .feature_draft import FEATURE_DRAFT, FeatureDraft
+from .early_exit import EARLY_EXIT, EarlyExit, EarlyExitConfig
+from .kv_eviction import A2SF, H2O, KV_EVICTION, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV
+from .ladder_residual import LADDER_RESIDUAL, LadderResidual
+from .layer_skip import LAYER_SKIP, LayerSkip
+from .tensor_parallel import TENSOR_PARALLEL, TensorParallel
+from .tree_attention import TREE_ATTENTION, TreeAttention
 
 __all__ = ["A2SF", "H2O", "KV_EVICTION", "TOVA", "Keyformer", "KVEviction", "SinksWindow", "SnapKV", "DRAFT_HEADS", "EARLY_EXIT", "FEATURE_DRAFT", "FEATURE_KIND", "FeatureDraft", "EARLY_EXIT_KIND", "HEADS_KIND", "LADDER_RESIDUAL", "LAYER_SKIP", "TENSOR_PARALLEL",
            "TREE_ATTENTION", "DraftHeads", "EarlyExit", "EarlyExitConfig", "LadderResidual", "LayerSkip", "TensorParallel",

@@ -1,24 +1,14 @@
 """Draft heads: trained Medusa or Hydra heads added to the step as its draft graph.
 
-Papers: Medusa, Hydra (and Clover, Chimera, Hidden Transfer for the family).
+Papers: Medusa, Hydra (Clover, Chimera, Hidden Transfer for the family). The step gains a draft graph
+(`ir.draft`, kind "heads"; `heads.modules.DraftStep`): the heads on final hidden states, then
+`vocab_head` and, for Hydra, the model's own token embedding. Inputs hidden [N, H], tokens [N, K],
+head [N]; outputs logits [N, D] over the draft vocabulary and its ids vocab [D]; config `HeadsConfig`.
 
-Rewrite. The step module gains a draft graph (`ir.draft`, kind "heads"; `heads.modules.DraftStep`): the heads on
-final hidden states, then `vocab_head` and, for Hydra, the model's own token embedding. `vocab_head`
-is the model's LM head itself (a shared call_module node, never copied weights) or, for heads with a
-draft vocabulary, its rows of that vocabulary (gathered once when the pass runs: D x H derived
-values, not trained; the verifier checks them against the LM head). Every draft node is annotated
-(role draft, or lm_head / embed for those two modules). The decode loop runs the draft graph on the
-hidden state of the last accepted token, after each verify step, to propose the next tree; the
-verify graph's hidden output is what feeds it.
-
-Draft graph: inputs hidden [N, H], tokens [N, K] int64, head [N] int64; outputs logits [N, D] over
-the draft vocabulary and its token ids vocab [D]; config: the heads' `HeadsConfig`.
-
-Invariants. The verify graph is not touched, so its outputs are bit for bit what they were before
-the pass (tested). The heads must have been trained for this model (fingerprint of its LM head):
-anything else is a mismatch, reported with both identities, and the graph is left unchanged.
-`vocab_head` is the step's LM head itself when the vocabulary is whole, else exactly its rows of the
-draft vocabulary, never a copy of the whole head (`verify`). Applying the pass twice is refused.
+Invariants. The verify graph is untouched (bit for bit, tested). The heads must be trained for this
+model (fingerprint of its LM head), else the pass does not apply and names both identities. `vocab_head`
+is the LM head itself for a whole vocabulary, else exactly its rows of the draft vocabulary (gathered
+once, checked against the LM head), never a copy of the whole head (`verify`). Twice is refused.
 """
 
 from __future__ import annotations
@@ -28,15 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of
-from specpass.ir.draft import ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
-from specpass.ir.roles import Role
-from specpass.passes.draft import DraftGraphPass
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of
+from ..ir.draft import HEADS_KIND, ROWS, DraftGraphSpec, DraftTensor, draft_graph, trace_draft
+from ..ir.roles import Role
+from ..passes.draft import DraftGraphPass
+from ..passes.export import ExportHook
 
 DRAFT_HEADS = "draft_heads"
-HEADS_KIND = "heads"  # the draft-graph kind drafters.Heads drives
 
 
 @dataclass(frozen=True)
@@ -50,7 +39,7 @@ class DraftHeads(DraftGraphPass):
     ensures = frozenset({DRAFT_HEADS})
 
     def __post_init__(self):
-        from specpass.heads.modules import KINDS
+        from ..heads.modules import KINDS
 
         if self.kind not in KINDS:
             raise InvalidParameterError(f"DraftHeads.kind must be one of {KINDS}, got {self.kind!r}")
@@ -58,7 +47,7 @@ class DraftHeads(DraftGraphPass):
             raise InvalidParameterError(f"DraftHeads.heads must be a directory or 'default', got {self.heads!r}")
 
     def directory(self) -> str:
-        from specpass.heads.io import shipped_heads
+        from ..heads.io import shipped_heads
 
         return shipped_heads(self.kind) if self.heads == "default" else self.heads
 
@@ -67,7 +56,7 @@ class DraftHeads(DraftGraphPass):
         return ExportHook()
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
-        from specpass.heads.io import model_mismatch, read_config
+        from ..heads.io import model_mismatch, read_config
 
         try:
             config = read_config(self.directory())
@@ -78,8 +67,8 @@ class DraftHeads(DraftGraphPass):
         return model_mismatch("heads", self.directory(), config.model, config.hidden_size, config.vocab_size, gm)
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
-        from specpass.heads.io import load_heads
-        from specpass.heads.modules import DraftStep
+        from ..heads.io import load_heads
+        from ..heads.modules import DraftStep
 
         lm_head, embed_tokens = gm.get_submodule("lm_head"), gm.get_submodule("embed_tokens")
         heads, config = load_heads(self.directory(), lm_head)
@@ -102,7 +91,7 @@ class DraftHeads(DraftGraphPass):
 
     @classmethod
     def config_from_dict(cls, data: dict):
-        from specpass.heads.modules import HeadsConfig
+        from ..heads.modules import HeadsConfig
 
         data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())))
         return HeadsConfig(**data)

@@ -1,35 +1,15 @@
 """Early exit: the step's own first k layers as a draft model, sharing its KV cache (self-speculation).
 
-Papers: LayerSkip, Draft & Verify, Kangaroo, SWIFT (and DEL, SpecEE for the adaptive side).
+Papers: LayerSkip, Draft & Verify, Kangaroo, SWIFT (DEL, SpecEE for the adaptive side). Two side graphs
+are cut from the verify graph after layer k - 1 (ir.split), sharing its modules and cache: the draft
+graph (kind "early-exit", called as a step: layers [0, k) and an exit head; it returns the exit's logits
+and `exit_hidden` and writes layers [0, k)'s K/V in the token's own slot) and the resume graph (layers
+[k, L) from `exit_hidden`), so a chain the draft ran is verified without running its lower layers again.
+The exit head is the model's final norm and LM head, or a trained exit adapter (heads.exit_adapter).
 
-Rewrite. The step gains two side graphs cut from the verify graph itself (ir.split), both sharing its
-modules and its KV-cache buffers:
-
-* the draft graph (kind "early-exit", called as a step): the embedding and layers [0, k), then the
-  step's final norm and LM head on the residual stream after layer k. For one token in its tree slot
-  it returns the exit's next-token logits and that residual stream (`exit_hidden`), and it writes
-  the token's K/V of layers [0, k) into the step's cache, in the slot the verify step will use;
-* the resume graph: layers [k, L), final norm and LM head from `exit_hidden`. The decode loop verifies
-  a chain the draft ran with it (`drafters.SelfDraft`), so layers below the exit run once per token,
-  never again in the verify step; the K/V they wrote are the verify step's own.
-
-Invariants. The verify graph is untouched (its outputs are bit for bit what they were). Running the
-draft graph and then the resume graph on its `exit_hidden` gives exactly the verify graph's outputs
-and cache writes (both are its own nodes, cut at the layer boundary: tested for every family). The
-draft graph holds no node of a layer >= k and the resume graph none of a layer < k (`verify`). It
-applies after TreeAttention (the graphs are cut from the tree-verifying step; a later pass that
-changed the verify graph would leave them stale, so none may follow: `verify` checks the graphs'
-inputs still match the step's). It does not apply when k is not in [1, L) (no layer to draft with,
-or none to verify with), and a step has one draft graph, so applying it twice is refused.
-
-Exit head. By default the model's own (final norm + LM head): training-free, but on a small model an
-early layer's plain exit rarely agrees with the full model (docs/experiments.md). With `adapter`, a
-trained exit adapter (heads.exit_adapter: residual MLP blocks, a final norm, a head over a draft
-vocabulary) reads `exit_hidden` instead, and the draft graph returns its logits over the draft
-vocabulary with the token ids `vocab` [D]: the step's final norm and LM head are not in the draft
-graph at all (`verify`), which is what makes an exit cheap. The adapter reads no cache, so the draft
-graph's cache writes are the same either way; it must have been trained for this model and this
-exit layer, else the pass does not apply (the reason says which).
+Invariants. The verify graph is untouched; draft then resume equals it bit for bit, outputs and cache
+writes (tested for every family); neither graph holds the other's layers (`verify`). After TreeAttention,
+no pass after it. Refused: k outside [1, L), a second draft graph, an adapter for another model or layer.
 """
 
 from __future__ import annotations
@@ -40,16 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.drafters.self_draft import EARLY_EXIT_KIND  # the draft-graph kind drafters.SelfDraft drives
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of, info
-from specpass.ir.draft import DraftGraphSpec, DraftTensor, draft_graph, resume_graph
-from specpass.ir.roles import Role, annotate
-from specpass.ir.split import EXIT_HIDDEN, exit_graph
-from specpass.ir.split import resume_graph as cut_resume_graph
-from specpass.passes.draft import DraftGraphPass
-from specpass.rewrites.ladder_residual import laddered_layers
-from specpass.rewrites.tree_attention import TREE_ATTENTION
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of, info
+from ..ir.draft import EARLY_EXIT_KIND, DraftGraphSpec, DraftTensor, draft_graph, resume_graph
+from ..ir.roles import Role, annotate
+from ..ir.split import EXIT_HIDDEN, exit_graph
+from ..ir.split import resume_graph as cut_resume_graph
+from ..passes.draft import DraftGraphPass
+from .ladder_residual import laddered_layers
+from .tree_attention import TREE_ATTENTION
 
 EARLY_EXIT = "early_exit"
 ADAPTER_KIND = "exit_adapter"  # the shipped adapter's directory under data/heads
@@ -86,7 +65,7 @@ class EarlyExit(DraftGraphPass):
             raise InvalidParameterError(f"EarlyExit.adapter must be a directory, 'default' or None, got {self.adapter!r}")
 
     def adapter_directory(self) -> str | None:
-        from specpass.heads.io import shipped_heads
+        from ..heads.io import shipped_heads
 
         return shipped_heads(ADAPTER_KIND) if self.adapter == "default" else self.adapter
 
@@ -99,8 +78,8 @@ class EarlyExit(DraftGraphPass):
         return None if self.adapter is None else self._check_adapter(gm)
 
     def _check_adapter(self, gm: torch.fx.GraphModule) -> str | None:
-        from specpass.heads.exit_adapter import read_exit_adapter_config
-        from specpass.heads.io import model_mismatch
+        from ..heads.exit_adapter import read_exit_adapter_config
+        from ..heads.io import model_mismatch
 
         directory = self.adapter_directory()
         try:
@@ -113,7 +92,7 @@ class EarlyExit(DraftGraphPass):
         return model_mismatch("exit adapter", directory, config.model, config.hidden_size, config.vocab_size, gm)
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
-        from specpass.heads.exit_adapter import load_exit_adapter
+        from ..heads.exit_adapter import load_exit_adapter
 
         draft = exit_graph(gm, self.layer, arch_of(gm).num_layers)
         if self.adapter is None:
@@ -128,6 +107,12 @@ class EarlyExit(DraftGraphPass):
 
     def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return cut_resume_graph(gm, self.layer)
+
+    def runtime_hook(self, step):
+        """The verify step resumes above the exit from the draft's states (rewrites.exit_resume)."""
+        from .exit_resume import ExitResume
+
+        return ExitResume(step)
 
     @classmethod
     def config_from_dict(cls, data: dict) -> EarlyExitConfig:

@@ -1,26 +1,13 @@
 """Feature draft: a trained EAGLE-3 style draft layer (heads.feature_draft) added to the step.
 
-Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.).
-
-Rewrite, in two parts:
-* The verify graph gains one declared output (ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the
-  draft's `fuse` (a linear map of the draft's, a submodule of the step) over the residual stream
-  entering its three feature layers, concatenated [B, T, 3H]. That is what the draft's first step reads
-  at every verified token, computed where those states already are. The step's other outputs are not
-  touched (tested bit for bit).
-* The step gains a draft graph of kind "feature" (`heads.feature_draft.FeatureDraftStep`): one step of
-  the draft layer over the draft's own KV cache, passed in and returned (inputs tokens [N, T], states
-  [N, T, H], positions [N, T], past_keys / past_values [N, nkv, S, d], mask [N, T, S + T]; outputs
-  new_states [N, T, H], logits [N, T, D], vocab [D], keys / values [N, nkv, S + T, d]), with the model's own token
-  embedding (shared).
-
-Invariants. The draft must have been trained for this model (fingerprint of its LM head) and read
-layers the model has; otherwise the pass does not apply, with the reason, and the graph is left
-unchanged. Applying it twice (or after another draft pass) is refused. The `features` output is the
-draft's fuse over exactly the three layers' streams (`verify`).
-
-ONNX (backends.onnx): the declared output is one more output of model.onnx, and the draft graph goes to
-draft.onnx with its cache as inputs and outputs, its rows, T and S dynamic (backends.onnx.draft).
+Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.). The verify graph gains one declared output
+(ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the draft's `fuse` over the residual streams entering
+its three feature layers, computed where those states are; the step's other outputs stay bit for bit.
+The step gains a draft graph of kind "feature" (`heads.feature_draft.FeatureDraftStep`): one step of the
+draft layer over its own KV cache, passed in and returned, with the model's token embedding (shared). On
+ONNX the declared output is one more output of model.onnx and the draft graph is draft.onnx
+(backends.onnx.draft). Refused, graph unchanged: a draft trained for another model, feature layers the
+model lacks, a second draft graph. `verify` checks the output is the fuse over exactly those streams.
 """
 
 from __future__ import annotations
@@ -30,16 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError, SpecpassError
-from specpass.ir import arch_of
-from specpass.ir.draft import DRAFT_STATES, ROWS, DraftGraphSpec, DraftTensor, add_step_output, draft_spec, step_output, trace_draft
-from specpass.ir.roles import Role, annotate
-from specpass.ir.split import layer_output
-from specpass.passes.draft import DraftGraphPass
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError, SpecpassError
+from ..ir import arch_of
+from ..ir.draft import DRAFT_STATES, FEATURE_KIND, ROWS, DraftGraphSpec, DraftTensor, add_step_output, draft_spec, step_output, trace_draft
+from ..ir.roles import Role, annotate
+from ..ir.split import layer_output
+from ..passes.draft import DraftGraphPass
+from ..passes.export import ExportHook
 
 FEATURE_DRAFT = "feature_draft"
-FEATURE_KIND = "feature"  # the draft-graph kind the feature drafter drives
 FUSE_MODULE = "feature_fuse"  # the step's submodule: the draft's fuse
 
 
@@ -57,7 +43,7 @@ class FeatureDraft(DraftGraphPass):
             raise InvalidParameterError(f"FeatureDraft.draft must be a directory or 'default', got {self.draft!r}")
 
     def directory(self) -> str:
-        from specpass.heads.io import shipped_heads
+        from ..heads.io import shipped_heads
 
         return shipped_heads("eagle") if self.draft == "default" else self.draft
 
@@ -66,7 +52,7 @@ class FeatureDraft(DraftGraphPass):
         return ExportHook()
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
-        from specpass.heads.io import model_mismatch, read_feature_config
+        from ..heads.io import model_mismatch, read_feature_config
 
         try:
             config = read_feature_config(self.directory())
@@ -85,8 +71,8 @@ class FeatureDraft(DraftGraphPass):
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
         """The draft graph and its spec; the verify graph gains its `features` output here too (it needs
         the loaded draft's fuse)."""
-        from specpass.heads.feature_draft import FeatureDraftStep
-        from specpass.heads.io import load_feature_draft
+        from ..heads.feature_draft import FeatureDraftStep
+        from ..heads.io import load_feature_draft
 
         layer = load_feature_draft(self.directory(), gm.get_submodule("lm_head"))
         config = layer.config
@@ -130,7 +116,7 @@ class FeatureDraft(DraftGraphPass):
 
     @classmethod
     def config_from_dict(cls, data: dict):
-        from specpass.heads.feature_draft import FeatureDraftConfig
+        from ..heads.feature_draft import FeatureDraftConfig
 
         data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())),
                     feature_layers=tuple(data["feature_layers"]))  # fmt: skip

@@ -1,37 +1,15 @@
 """Ladder residual: each sub-layer of the chosen layers reads the residual stream from two sub-layers back.
 
-Paper: Ladder Residual (Zhang et al., 2025). Under tensor parallelism every
-attention and MLP output is all-reduced before the next sub-layer may read it; the ladder lets the
-next sub-layer start on the stream as it was before that output arrived, so the all-reduce overlaps
-the next sub-layer's compute.
+Paper: Ladder Residual (Zhang et al., 2025). Number the sub-layers k (layer i: attention 2i, MLP 2i + 1)
+and let s_k be the residual stream after sub-layer k's output is added. A laddered sub-layer computes
+s_k = s_{k-1} + f_k(s_{k-2}) instead of s_k = s_{k-1} + f_k(s_{k-1}), so under tensor parallelism the
+all-reduce of sub-layer k - 1 overlaps sub-layer k's compute. The rewrite only redirects which stream a
+sub-layer's first nodes read: no node is added or removed; the residual adds and the final norm's input
+are unchanged.
 
-Data flow. Number the sub-layers k = 0, 1, 2, ... (layer i: attention 2i, MLP 2i + 1), let f_k be
-sub-layer k's function (its norms, the attention or MLP, its post-norm and residual scale) and s_k the
-residual stream after sub-layer k's output is added (s_{-1} = s_{-2} = the embedding). A standard
-block computes
-
-    s_k = s_{k-1} + f_k(s_{k-1})
-
-and a laddered sub-layer computes
-
-    s_k = s_{k-1} + f_k(s_{k-2})
-
-so in a laddered layer i the attention reads s_{2i-2} (the stream before layer i-1's MLP output was
-added) and the MLP reads s_{2i-1} (the layer's own input, before its attention output). The residual
-adds themselves are unchanged, and so is what the final norm reads (the stream after every output).
-Laddering layer 0's attention changes nothing (s_{-2} = s_{-1}).
-
-Rewrite. Only which stream the sub-layers' inputs read changes: in layer i the users of the layer's
-input other than its first residual add read layer i-1's first residual add instead (i > 0), and the
-users of the first residual add other than the second read the layer's input. No node is added or
-removed.
-
-Invariants. Layers outside the chosen set compute exactly what they did; a laddered layer reads the
-streams above (`verify` checks both structurally). It changes the model's function: a pretrained
-model laddered without retraining drifts (docs/experiments.md, "Ladder residual"), so the pass is
-opt-in and a pipeline holding it says so when printed. With no layers chosen the graph is unchanged.
-Applying it to a graph that is already laddered is refused, as is a step with an early-exit resume
-graph (its cut at a layer boundary would separate a laddered attention from the stream it reads).
+Invariants. Layers outside the chosen set compute what they did (`verify`). The model's function changes
+(docs/experiments.md, "Ladder residual"), so the pass is opt-in and a pipeline holding it says so.
+Refused: an already laddered graph, a step with an early-exit resume graph. No layers: no change.
 """
 
 from __future__ import annotations
@@ -41,13 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of
-from specpass.ir.draft import resume_graph
-from specpass.ir.query import residual_adds
-from specpass.ir.roles import info
-from specpass.passes.base import Pass, PassResult
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of
+from ..ir.draft import resume_graph
+from ..ir.query import residual_adds
+from ..ir.roles import info
+from ..passes.base import Pass, PassResult
+from ..passes.export import ExportHook
 
 LADDER_RESIDUAL = "ladder_residual"
 

@@ -1,33 +1,15 @@
-"""Layer skip: the step itself with some layers left out as a draft model, sharing its KV cache
-(self-speculation, SWIFT / Draft & Verify).
+"""Layer skip: the step with the layers in `skip` left out as a draft model, sharing its KV cache
+(self-speculation; papers: SWIFT, Draft & Verify, Unified Layer Skipping).
 
-Papers: SWIFT (on-the-fly layer skipping), Draft & Verify, Unified Layer Skipping.
+Side graphs of rewrites.EarlyExit's form (ir.split), so drafters.SelfDraft drives either: the draft graph
+is the whole step without the skipped layers (a skipped layer's readers read the stream after the last
+kept layer before it) and returns `exit_hidden`, the stream before the first skipped layer s; the resume
+graph is EarlyExit's at s. Layers below s run once per token and write the step's own K/V; the kept
+layers above s write approximate K/V, which the resumed verify overwrites.
 
-Rewrite. The step gains two side graphs cut from the verify graph itself (ir.split), both sharing its
-modules and its KV-cache buffers, in the same form as rewrites.EarlyExit's, so `drafters.SelfDraft`
-drives either:
-
-* the draft graph (kind "early-exit", called as a step): the whole step with the layers in `skip`
-  left out; a skipped layer's readers read the residual stream after the last layer kept before it.
-  For one token in its tree slot it returns the draft's next-token logits and `exit_hidden`, the
-  residual stream before the first skipped layer s = min(skip). It writes the token's K/V of layers
-  [0, s) into the step's cache, in the slot the verify step will use (exact: those are the step's own
-  nodes on the step's own inputs), and the K/V of the kept layers above s (approximations: their
-  inputs went through fewer layers), which the draft's next tokens attend to;
-* the resume graph: layers [s, L), final norm and LM head from `exit_hidden` (EarlyExit's at layer
-  s). The decode loop verifies the drafted chain with it, so layers below s run once per token, and
-  it overwrites every approximate K/V the draft wrote above s with the step's own.
-
-Invariants. The verify graph is untouched. The draft graph holds no node of a skipped layer and the
-resume graph none of a layer < s (`verify`); the draft graph's `exit_hidden` is the step's own stream
-after layer s - 1, so draft then resume equals the verify step (tested). Greedy output is the model's
-own: the draft only proposes. It does not apply to an empty skip set, one naming layer 0 (nothing
-below it to reuse: use the full step) or a layer past the model's, a laddered step, or a step that
-already has a draft graph (applying it twice is refused).
-
-Cost. A draft call costs about (L - |skip|) / L of a one-token step (the whole LM head included), so
-on a small model only a large skip set can pay, and a large set drafts worse: which set pays is a
-measurement (docs/experiments.md, "Self-speculation").
+Invariants. The verify graph is untouched; draft then resume equals it (tested). Refused: an empty set,
+layer 0, a layer past the model's, a laddered step, a second draft graph. A draft call costs about
+(L - |skip|) / L of a step, so which set pays is measured (docs/experiments.md, "Self-speculation").
 """
 
 from __future__ import annotations
@@ -38,15 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import InvalidParameterError
-from specpass.ir import arch_of
-from specpass.ir.draft import DraftGraphSpec
-from specpass.ir.split import skip_graph
-from specpass.ir.split import resume_graph as cut_resume_graph
-from specpass.passes.draft import DraftGraphPass
-from specpass.rewrites.early_exit import EarlyExitConfig, resumable_spec, verify_draft_and_resume
-from specpass.rewrites.ladder_residual import laddered_layers
-from specpass.rewrites.tree_attention import TREE_ATTENTION
+from ..common.errors import InvalidParameterError
+from ..ir import arch_of
+from ..ir.draft import DraftGraphSpec
+from ..ir.split import skip_graph
+from ..ir.split import resume_graph as cut_resume_graph
+from ..passes.draft import DraftGraphPass
+from .early_exit import EarlyExitConfig, resumable_spec, verify_draft_and_resume
+from .ladder_residual import laddered_layers
+from .tree_attention import TREE_ATTENTION
 
 LAYER_SKIP = "layer_skip"
 
@@ -92,6 +74,12 @@ class LayerSkip(DraftGraphPass):
 
     def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return cut_resume_graph(gm, self.skip[0])
+
+    def runtime_hook(self, step):
+        """The verify step resumes above the first skipped layer from the draft's states (rewrites.exit_resume)."""
+        from .exit_resume import ExitResume
+
+        return ExitResume(step)
 
     @classmethod
     def config_from_dict(cls, data: dict) -> EarlyExitConfig:

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from specpass.errors import SpecpassError
-from specpass.ir.layout import RowsLayout
-from specpass.passes.runtime import RuntimeHook
+from ..common.errors import SpecpassError
+from ..ir.layout import SlotLayout
+from ..passes.runtime import RuntimeHook
 
 
 def rank0_floats(values: Sequence[float]) -> tuple[float, ...]:
@@ -47,6 +47,6 @@ class Lockstep(RuntimeHook):
     def agreed_seconds(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
         return rank0_floats(seconds)
 
-    def after_commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
+    def after_commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
         check_same_paths(paths)
         return committed

@@ -1,36 +1,15 @@
 """Tensor parallelism: the decode step sharded over the torch.distributed process group (Megatron-style).
 
-Paper context: Megatron-LM's column/row split; Ladder Residual for the overlap.
+On rank r of W: q, k, v, gate and up are column-parallel (rank r's heads, KV heads and MLP slice); o and
+down are row-parallel, their outputs summed over ranks as an all-gather and `ranked_sum` (the ranks' parts
+in rank order, so a token's bits do not depend on the step's size, as they would under gloo's ring
+all-reduce); the LM head is sharded over the vocabulary and gathered; the KV cache keeps rank r's KV heads.
+The rest is replicated. Every rank gets the same logits, so every rank's decode loop takes the same path
+(rewrites.lockstep checks it). In laddered layers (rewrites.ladder_residual) a sub-layer's wait moves
+after the next sub-layer's all-reduce is issued, so communication overlaps compute.
 
-Rewrite, on rank r of a world of W processes (torch.distributed initialised, e.g. by `torchrun`):
-
-* q, k, v, gate and up projections are column-parallel: rank r keeps output rows
-  [r * n / W, (r + 1) * n / W), so it holds heads [r * H / W, ...) and KV heads [r * KV / W, ...) and
-  a slice of the MLP's intermediate width (the graph's views already use -1 for the head count);
-* o and down projections are row-parallel (rank r keeps the matching input columns; a bias is kept on
-  rank 0 only), and their outputs are summed over ranks: an all-reduce made of `all_gather_into_tensor`
-  + `wait_tensor` (traceable functional collectives, torch.ops._c10d_functional, so the step stays an
-  FX graph) and `ranked_sum`, the ranks' parts added in rank order. Not `all_reduce`: gloo's ring
-  splits the buffer by its size, so an element's order of summation, and its bits, would depend on
-  how many tokens the step holds (measured: the build-time check refused it, backends.runtime.invariance);
-* the LM head is sharded over the vocabulary, and the logits are gathered (`all_gather_into_tensor`
-  over the vocabulary dimension, moved to the front and back);
-* the KV cache buffers keep rank r's KV heads only: cache memory per rank falls by W.
-
-The embedding, the norms and everything else stay replicated. Every rank ends with the same logits
-and hidden states (the collectives give every rank the same bits), so a decode loop run on every rank
-takes the same accepted path (its runtime half, rewrites.lockstep, checks it).
-
-Overlap. A wait is placed right before the first node that needs the reduced value, except for the
-sub-layers of laddered layers (rewrites.ladder_residual): there the next sub-layer reads the stream
-from before this output, so the wait and the residual add it feeds move after the next sub-layer's
-all-reduce is issued, and communication overlaps that sub-layer's compute.
-
-Invariants. Outputs equal the unsharded step's up to float rounding of the sums (tested at 1e-5), and a
-token's outputs do not depend on the rest of the step (each sum in rank order); two all-reduces per layer. It does not apply without an initialised process group, when a head count,
-KV-head count, intermediate width or vocabulary does not divide by W, to fused q/k/v or gate/up
-projections or to q/k norms over the whole projection (they would need a gather), to a step with a
-draft graph, or twice.
+Invariants: outputs equal the unsharded step's up to rounding of the sums. Refused: no process group,
+counts not divisible by W, fused q/k/v or gate/up, q/k norms over a whole projection, a draft graph, twice.
 """
 
 from __future__ import annotations
@@ -41,14 +20,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.errors import GraphVerificationError
-from specpass.ir import arch_of
-from specpass.ir.draft import draft_graph
-from specpass.ir.query import residual_adds
-from specpass.ir.roles import META_KEY, NodeInfo, info
-from specpass.passes.base import Pass, PassResult
-from specpass.rewrites.kv_eviction import EVICTION_META
-from specpass.rewrites.ladder_residual import laddered_layers
+from ..common.errors import GraphVerificationError
+from ..ir import arch_of
+from ..ir.draft import draft_graph
+from ..ir.query import residual_adds
+from ..ir.roles import META_KEY, NodeInfo, info
+from ..passes.base import Pass, PassResult
+from .kv_eviction import EVICTION_META
+from .ladder_residual import laddered_layers
 
 TENSOR_PARALLEL = "tensor_parallel"
 SHARDS = "tp"  # submodule holding the sharded linears
@@ -130,9 +109,9 @@ class TensorParallel(Pass):
                    f"logits gathered over the vocabulary")  # fmt: skip
         return PassResult(gm, modified=True, summary=summary)
 
-    def runtime_hook(self, gm: torch.fx.GraphModule):
+    def runtime_hook(self, step):
         """Every rank's loop in lockstep (rewrites.lockstep)."""
-        from specpass.rewrites.lockstep import Lockstep
+        from .lockstep import Lockstep
 
         return Lockstep()
 

@@ -1,22 +1,15 @@
 """Tree attention: verify a whole token tree in one forward of the target model.
 
-Papers: Medusa (tree attention), SpecInfer, Token Recycling, DySpec.
+Papers: Medusa (tree attention), SpecInfer, Token Recycling, DySpec. The captured chain step writes slot
+positions[0, t] and attends to every slot <= its position. The rewrite adds the graph inputs that encode
+a step's slot layout (ir.layout): `tree_mask` [B, T, T] bool (node j is node i or one of its ancestors)
+and `cache_slots` [B, T] int64 (row b's write slots; `cache_slots[b, 0]` is its committed length),
+replaces the chain mask by `ir.layout.slot_visibility` and indexes the cache writes with `cache_slots`;
+positions (committed length + depth) still drive rotary.
 
-Rewrite. The captured step is a chain step: token t writes cache slot positions[0, t] and attends to
-every slot <= its position. The rewrite adds the two graph inputs that encode a step's slot layout
-(`ir.layout`: committed prefix, write slots, ancestor mask)
-
-    tree_mask    [B, T, T] bool   tree_mask[b, i, j]: node j is node i or one of its ancestors
-    cache_slots  [B, T] int64     row b's write slots; cache_slots[b, 0] is row b's committed length
-
-and replaces the chain mask by `ir.layout.slot_visibility`: node i sees slot s iff s is committed
-prefix of its row or s == cache_slots[b, j] for an ancestor-or-self j of i. The cache writes index with
-`cache_slots` instead of the positions; positions (= committed length + depth) still drive rotary.
-
-Invariants. Logits of node i equal the chain step's logits for the path root -> i (a chain is the
-tree whose mask is lower-triangular; a one-node tree is plain decoding). Nothing else in the graph
-changes. After verification the caller moves the accepted path's K/V into consecutive slots with
-`backends.runtime.kv.compact` (no recompute). Applying the rewrite twice is refused.
+Invariants. Logits of node i equal the chain step's for the path root -> i (a one-node tree is plain
+decoding); nothing else changes. The caller compacts the accepted path's K/V afterwards
+(backends.runtime.kv.compact). Applying the rewrite twice is refused.
 """
 
 from __future__ import annotations
@@ -26,12 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of, is_captured_step, query
-from specpass.ir.layout import slot_visibility
-from specpass.ir.roles import Role, annotate, info, placeholder
-from specpass.passes.base import Pass, PassResult
-from specpass.passes.export import ExportHook
+from ..common.errors import GraphVerificationError, InvalidParameterError
+from ..ir import arch_of, is_captured_step, query
+from ..ir.layout import slot_visibility
+from ..ir.roles import Role, annotate, info, placeholder
+from ..passes.base import Pass, PassResult
+from ..passes.export import ExportHook
 
 TREE_ATTENTION = "tree_attention"
 

@@ -82,8 +82,8 @@ def train_tiny_feature_draft(model, directory: str):
     random prompts, 4 held out, where the model is; saved to `directory`. Returns (corpus, held_out,
     directory, draft, its config, the losses)."""
     from specpass.heads.feature_draft import default_feature_layers
-    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
-    from specpass.heads.train import generate_corpus
+    from specpass.research.feature_training import FeatureTrainConfig, train_feature_draft
+    from specpass.research.heads_training import generate_corpus
 
     layers = default_feature_layers(4)
     gen = torch.Generator().manual_seed(0)
@@ -371,13 +371,13 @@ def recorded_logits(program):
     records: list[list[torch.Tensor]] = []
     live: list[int] = []
     last: dict[str, torch.Tensor] = {}
-    forward, from_exit, commit, keep_rows = program.forward, program.forward_from_exit, program.commit, program.keep_rows
+    forward, verify, commit, keep_rows = program.forward, program.verify, program.commit, program.keep_rows
 
     def recording(run):
         def call(*args):
-            logits, hidden = run(*args)
+            logits, *rest = run(*args)  # forward: (logits, hidden); verify: (logits, hidden, resumed)
             last["logits"] = logits.detach().float().cpu()
-            return logits, hidden
+            return (logits, *rest)
 
         return call
 
@@ -393,9 +393,9 @@ def recorded_logits(program):
         live[:] = [live[i] for i in keep]
         return keep_rows(keep, slots)
 
-    program.forward, program.forward_from_exit = recording(forward), recording(from_exit)
+    program.forward, program.verify = recording(forward), recording(verify)
     program.commit, program.keep_rows = committing, keeping
     try:
         yield records
     finally:
-        del program.forward, program.forward_from_exit, program.commit, program.keep_rows
+        del program.forward, program.verify, program.commit, program.keep_rows

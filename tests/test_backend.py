@@ -8,7 +8,7 @@ import torch
 from conftest import WINDOW, tiny_model
 
 import specpass
-from specpass.errors import InvalidParameterError, SpecpassError
+from specpass.common.errors import InvalidParameterError, SpecpassError
 
 
 def test_backend_is_listed_without_importing_specpass():

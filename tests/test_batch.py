@@ -15,8 +15,8 @@ from specpass.backends.runtime.decode import generate as decode
 from specpass.backends.options import CompileOptions
 from specpass.backends.runtime.program import SpeculativeProgram
 from specpass.drafters import Combined, Feature, Heads, PromptLookup, TokenRecycling
-from specpass.errors import InvalidParameterError
-from specpass.ir import RowsLayout, SlotLayout
+from specpass.common.errors import InvalidParameterError
+from specpass.ir import SlotLayout
 from specpass.rewrites import EarlyExit, TreeAttention
 
 
@@ -129,7 +129,7 @@ def _program(model, rows: int, **options) -> SpeculativeProgram:
 
 def test_rows_layout_inputs():
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root with two children
-    layout = RowsLayout.of((SlotLayout(5, tree), SlotLayout.chain(2, 1, evicted=0)))
+    layout = SlotLayout.of((SlotLayout.tree(5, tree), SlotLayout.chain(2, 1, evicted=0)))
     inputs = layout.step_inputs(torch.zeros(2, 3, dtype=torch.long))
     assert layout.size == 3 and inputs["kv_len"] == 8
     assert inputs["cache_slots"].tolist() == [[5, 6, 7], [2, 3, 4]]
@@ -149,14 +149,14 @@ def test_rows_forward_equals_each_row_alone():
              torch.ones(1, 1, dtype=torch.bool)]  # fmt: skip
     nodes = [torch.tensor([7, 8, 9]), torch.tensor([10, 11]), torch.tensor([12])]
     batch = _program(model, 3)
-    prefill = RowsLayout.of(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
+    prefill = SlotLayout.of(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
     batch.forward(prefill.pad_tokens(prompts), prefill)
-    step = RowsLayout.of(tuple(SlotLayout(len(p), t) for p, t in zip(prompts, trees)))
+    step = SlotLayout.of(tuple(SlotLayout.tree(len(p), t) for p, t in zip(prompts, trees)))
     logits, _ = batch.forward(step.pad_tokens(nodes), step)  # [3, 3, V]
     for b, (prompt, tree, node_tokens) in enumerate(zip(prompts, trees, nodes)):
         alone = _program(model, 1)
-        alone.forward(prompt[None], RowsLayout.of((SlotLayout.chain(0, len(prompt)),)))
-        expected, _ = alone.forward(node_tokens[None], RowsLayout.of((SlotLayout(len(prompt), tree),)))  # [1, T_b, V]
+        alone.forward(prompt[None], SlotLayout.of((SlotLayout.chain(0, len(prompt)),)))
+        expected, _ = alone.forward(node_tokens[None], SlotLayout.of((SlotLayout.tree(len(prompt), tree),)))  # [1, T_b, V]
         torch.testing.assert_close(logits[b, : len(node_tokens)], expected[0], rtol=1e-5, atol=1e-5)
         written = len(prompt) + len(node_tokens)
         torch.testing.assert_close(batch.k_cache[:, b, :, :written], alone.k_cache[:, 0, :, :written], rtol=1e-5, atol=1e-5)
@@ -166,7 +166,7 @@ def test_commit_leaves_the_other_rows_bit_identical():
     model = tiny_model("llama")
     batch = _program(model, 3)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    layout = RowsLayout.of(tuple(SlotLayout(c, tree) for c in (4, 6, 2)))
+    layout = SlotLayout.of(tuple(SlotLayout.tree(c, tree) for c in (4, 6, 2)))
     batch.forward(torch.randint(0, 96, (3, 3)), layout)
     before_k, before_v = batch.k_cache.clone(), batch.v_cache.clone()
     committed = batch.commit(layout, [[0], [0, 2], [0, 1]])  # only row 1 moves: node 2 -> slot 7
@@ -280,15 +280,15 @@ def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
     model = tiny_model("llama")
     program = _program(model, 4)
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 4)]
-    prefill = RowsLayout.of(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
+    prefill = SlotLayout.of(tuple(SlotLayout.chain(0, len(p)) for p in prompts))
     program.forward(prefill.pad_tokens(prompts), prefill)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    layout = RowsLayout.of((SlotLayout(7, tree), SlotLayout.chain(4, 2)))
+    layout = SlotLayout.of((SlotLayout.tree(7, tree), SlotLayout.chain(4, 2)))
     tokens = layout.pad_tokens([torch.tensor([5, 6, 7]), torch.tensor([8, 9])])  # [2, 3]
     committed = [program.k_cache[:, b, :, :n].clone() for b, n in enumerate((7, 4))]
     expected, _ = program.forward(tokens, layout)  # [2, 3, V]
     real = [program.k_cache[:, 0, :, 7:10].clone(), program.k_cache[:, 1, :, 4:6].clone()]
-    inputs = layout.step_inputs(tokens, size=8, batch=4)
+    inputs = layout.padded(8, 4).step_inputs(tokens)
     assert inputs["input_ids"].shape == (4, 8) and inputs["kv_len"] == 15
     assert inputs["cache_slots"][2:].tolist() == [list(range(8))] * 2  # padding rows: dead cache rows' first slots
     inputs["kv_len"] = 256  # a bucket's attended length: slots past each row's tree are hidden
@@ -300,7 +300,7 @@ def test_a_rows_step_padded_to_a_replay_bucket_leaves_the_real_rows_unchanged():
     torch.testing.assert_close(program.k_cache[:, 0, :, 7:10], real[0])
     torch.testing.assert_close(program.k_cache[:, 1, :, 4:6], real[1])
     with pytest.raises(ValueError, match="cannot pad"):
-        layout.step_inputs(tokens, size=2)
+        layout.padded(2, 2)
 
 
 @needs_cxx
@@ -320,13 +320,14 @@ def _self_draft_rows(model, pipeline, drafter, prompts: list[list[int]], new: in
     program's count of resumed forwards (steps verified from the exit states the drafts left)."""
     program = _program(model, len(prompts), pipeline=pipeline, drafter=drafter, budget=5)
     resumed = {"calls": 0}
-    resume = program.forward_from_exit
+    verify = program.verify
 
     def counted(*args):
-        resumed["calls"] += 1
-        return resume(*args)
+        out = verify(*args)  # (logits, hidden, whether a hook resumed it above the exit)
+        resumed["calls"] += out[2]
+        return out
 
-    program.forward_from_exit = counted
+    program.verify = counted
     out = decode(program, prompts, max_new_tokens=new, eos_token_ids=[])
     for prompt, tokens in zip(prompts, out.new_tokens):
         assert list(tokens) == _hf_greedy(model, prompt, new)

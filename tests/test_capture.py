@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY_ARCHS, WINDOW, tiny_model
 
-from specpass.errors import InvalidParameterError, UnsupportedArchitectureError
+from specpass.common.errors import InvalidParameterError, UnsupportedArchitectureError
 from specpass.ir import SUPPORTED_ARCHITECTURES, Role, capture, info, verify
 
 
@@ -75,7 +75,7 @@ def test_length_dependent_rope_is_refused_past_its_exact_range():
 
 
 def test_verify_rejects_a_broken_graph():
-    from specpass.errors import GraphVerificationError
+    from specpass.common.errors import GraphVerificationError
 
     gm = capture(tiny_model(), cache_size=16)
     q = next(n for n in gm.graph.nodes if info(n).role is Role.Q)

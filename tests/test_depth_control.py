@@ -8,7 +8,7 @@ from conftest import self_draft_taus_equal_to_hf_greedy, tiny_model
 import specpass
 from specpass.drafters import SelfDraft
 from specpass.drafters.depth_control import DepthController
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 from specpass.rewrites import EarlyExit, TreeAttention
 
 

@@ -11,8 +11,8 @@ from conftest import (
 import specpass
 from specpass.backends.onnx.export import export
 from specpass.drafters import SelfDraft
-from specpass.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
-from specpass.errors import PassPipelineError
+from specpass.common.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
+from specpass.common.errors import PassPipelineError
 from specpass.ir import capture, draft_spec, verify
 from specpass.ir.draft import RESUME_MODULE, draft_graph, resume_graph
 from specpass.rewrites import DraftHeads, EarlyExit, TreeAttention
@@ -93,7 +93,7 @@ def test_layers_below_the_exit_run_once_per_drafted_token_and_never_in_verificat
         pipeline=EXIT, drafter=SelfDraft(4), cache_size=128, lowering="eager", budget=5))  # fmt: skip
     below, above = (RowCounter(layer.self_attn.q_proj) for layer in model.model.layers)
     calls = {"draft": 0, "resumed": 0, "full": 0}
-    draft_run, resume, forward = program.draft.run, program.forward_from_exit, program.forward
+    draft_run, verify, forward = program.draft.run, program.verify, program.forward
 
     def counted(name, fn):
         def call(*args):
@@ -102,8 +102,13 @@ def test_layers_below_the_exit_run_once_per_drafted_token_and_never_in_verificat
 
         return call
 
+    def resumed(*args):
+        out = verify(*args)  # (logits, hidden, whether the exit hook resumed it)
+        calls["resumed"] += out[2]
+        return out
+
     object.__setattr__(program.draft, "run", counted("draft", draft_run))
-    program.forward_from_exit, program.forward = counted("resumed", resume), counted("full", forward)
+    program.verify, program.forward = resumed, counted("full", forward)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0)).repeat(1, 2)
     out = specpass.generate(program, ids, max_new_tokens=40, eos_token_id=[])
     steps = len(out.stats.steps)

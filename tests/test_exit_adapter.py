@@ -1,4 +1,4 @@
-"""The exit adapter (heads.exit_adapter, heads.exit_training) and EarlyExit through it: the module,
+"""The exit adapter (heads.exit_adapter, research.exit_training) and EarlyExit through it: the module,
 saving and loading it, training it, the draft graph it makes, losslessness, and where it must not apply."""
 
 import itertools
@@ -9,14 +9,14 @@ from conftest import check_default_model_greedy, draft_then_resume, self_draft_t
 
 import specpass
 from specpass.drafters import Combined, PromptLookup, SelfDraft, TokenRecycling
-from specpass.errors import GraphVerificationError, InvalidParameterError, PassMismatchError
+from specpass.common.errors import GraphVerificationError, InvalidParameterError, PassMismatchError
 from specpass.heads import HeadsMismatchError, model_fingerprint
 from specpass.heads.exit_adapter import (
     ExitAdapterConfig, load_exit_adapter, plain_exit_adapter, read_exit_adapter_config, save_exit_adapter,
 )  # fmt: skip
 from specpass.heads.io import shipped_heads
-from specpass.heads.exit_training import ExitTrainConfig, agreement, exit_data, train_exit_adapter
-from specpass.heads.train import Continuation, generate_corpus
+from specpass.research.exit_training import ExitTrainConfig, agreement, exit_data, train_exit_adapter
+from specpass.research.heads_training import Continuation, generate_corpus
 from specpass.ir import capture, draft_spec, info, verify
 from specpass.ir.draft import draft_graph
 from specpass.ir.roles import Role

@@ -1,4 +1,4 @@
-"""The feature draft (heads.feature_draft) and its training-time test (heads.feature_training)."""
+"""The feature draft (heads.feature_draft) and its training-time test (research.feature_training)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import peaked_four_layer_llama, train_tiny_feature_draft
 
-from specpass.errors import DamagedFileError, InvalidParameterError
+from specpass.common.errors import DamagedFileError, InvalidParameterError
 from specpass.heads.feature_draft import FeatureDraftConfig, FeatureDraftLayer, chain_mask, default_feature_layers
 from specpass.heads.io import HeadsMismatchError, load_feature_draft, save_feature_draft
 
@@ -106,8 +106,8 @@ def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(trained):
     draft's chain agrees with the model's greedy token more than the untrained one at every depth; the
     saved draft loads with the same accuracy table, and the features and final states caught while
     generating equal batched forwards' (what a corpus cached as tokens trains on)."""
-    from specpass.heads.feature_training import make_feature_draft, measure_chain_accuracy, with_features
-    from specpass.heads.train import Continuation
+    from specpass.research.feature_training import make_feature_draft, measure_chain_accuracy, with_features
+    from specpass.research.heads_training import Continuation
 
     model, corpus, held_out, directory, draft, result, losses = trained
     recomputed = with_features(model, [Continuation(c.tokens, c.start) for c in corpus[:3]], result.feature_layers)
@@ -129,7 +129,7 @@ def test_training_teaches_the_chain_and_saves_a_draft_for_its_model(trained):
 def test_training_resumes_from_a_saved_draft(trained):
     """A saved draft trained further starts where it ended (its first losses near the first run's last,
     far below that run's first), keeps its vocabulary and feature layers, and gains a new table."""
-    from specpass.heads.feature_training import FeatureTrainConfig, train_feature_draft
+    from specpass.research.feature_training import FeatureTrainConfig, train_feature_draft
 
     model, corpus, held_out, directory, _, result, losses = trained
     start = load_feature_draft(directory, model.lm_head)
@@ -501,7 +501,7 @@ def test_rows_drafted_at_once_equal_each_row_alone(trained):
 
 
 def test_length_batches_take_each_sequence_once_and_pad_less_than_random_ones():
-    from specpass.heads.feature_training import length_batches
+    from specpass.research.feature_training import length_batches
 
     lengths = torch.randint(10, 500, (203,), generator=torch.Generator().manual_seed(0))
     batches = length_batches(lengths, 8, torch.Generator().manual_seed(1))

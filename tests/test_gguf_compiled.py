@@ -20,7 +20,7 @@ from specpass.backends.lowering import aot_compiled
 from specpass.backends.lowering.aot_compiled import package_key
 from specpass.backends.lowering.gguf import gguf_linear
 from specpass.backends.lowering.registry import LOWERINGS, resolve_lowering
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 from specpass.ir import capture
 
 NO_COMPILER = (None, "no-such-c++-compiler")  # torch._inductor.config.cpp.cxx naming no compiler

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specpass.backends.lowering.gguf_index import read_index
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 from specpass.models import GGUF_FILE, default_model_dir
 
 

@@ -12,7 +12,7 @@ import torch
 import specpass
 from specpass.backends.lowering.gguf_blocks import BLOCK, match_blocks, parse_blocks
 from specpass.backends.lowering.gguf import NEAR_TIE_LOGITS, gguf_linear, gguf_source, planes_of
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 from specpass.ir import arch_of, capture
 from conftest import needs_cxx, needs_int4_kernel, tiny_model
 

@@ -28,7 +28,7 @@ def test_cuda_graph_step_equals_eager_step(lowering):
     for step in (eager, graphed):  # same prefill in both
         step(prompt, SlotLayout.chain(0, 40, "cuda"))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
-    ids, layout = torch.tensor([tree.tokens]), SlotLayout(40, tree.ancestor_mask())
+    ids, layout = torch.tensor([tree.tokens]), SlotLayout.tree(40, tree.ancestor_mask())
     expected, _ = eager(ids.cuda(), layout.to("cuda"))
     for where in ("cuda", "cuda", "cpu", "cpu"):  # capture, then replays
         got, _ = graphed(ids.to(where), layout.to(where))
@@ -93,7 +93,7 @@ def test_trainer_on_cuda_lowers_the_loss_and_saves_heads_the_cpu_loads(tmp_path)
     """`train-heads --device cuda`: the corpus is generated and the heads train on the GPU; the saved
     heads load on the CPU and draft for the same (CPU) model."""
     from specpass.heads import load_heads
-    from specpass.heads.train import TrainConfig, generate_corpus, train_heads
+    from specpass.research.heads_training import TrainConfig, generate_corpus, train_heads
 
     model = peaked_tiny_model()
     gen = torch.Generator().manual_seed(0)
@@ -117,7 +117,7 @@ def test_feature_trainer_on_cuda_lowers_the_loss_and_saves_a_draft_the_cpu_loads
     """`train-heads --kind eagle --device cuda`: the corpus, the teacher and the training-time test run on
     the GPU; the saved draft loads on the CPU and drafts there as well as it did on the GPU (its
     held-out accuracy table within float16's rounding of the one measured on the GPU)."""
-    from specpass.heads.feature_training import measure_chain_accuracy
+    from specpass.research.feature_training import measure_chain_accuracy
     from specpass.heads.io import load_feature_draft
 
     model = peaked_four_layer_llama().cuda()

@@ -14,7 +14,7 @@ from specpass.drafters.heads import HeadsSession
 from specpass.heads import HeadsMismatchError, load_heads, save_heads
 from specpass.heads.io import read_config, shipped_heads
 from specpass.heads.modules import DraftStep, draft_vocabulary
-from specpass.heads.train import Continuation, TrainConfig, _DraftVocabulary, generate_corpus, train_heads
+from specpass.research.heads_training import Continuation, TrainConfig, _DraftVocabulary, generate_corpus, train_heads
 from specpass.ir import capture, info, verify
 from specpass.rewrites import DraftHeads, TreeAttention
 
@@ -249,7 +249,7 @@ def test_training_prompts_are_the_same_in_every_process():
 def test_corpus_states_are_the_models_own_final_normed_states():
     """generate_corpus catches the states of its own forwards (left-padded batches, prefill then one
     token per step); they equal one forward over the finished sequence, so the teacher's law does too."""
-    from specpass.heads.train import teacher
+    from specpass.research.heads_training import teacher
 
     model = peaked_tiny_model()
     gen = torch.Generator().manual_seed(1)
@@ -401,7 +401,7 @@ def test_heads_drafter_needs_heads_in_the_pipeline():
 
 
 def test_training_positions_cover_the_prompt_and_accuracy_positions_only_the_generated_text():
-    from specpass.heads.train import _batch, _positions, teacher
+    from specpass.research.heads_training import _batch, _positions, teacher
 
     corpus = [Continuation(torch.arange(10), start=3), Continuation(torch.arange(20, 26), start=1)]
     assert _positions(corpus, [0, 10], 2, generated_only=True).tolist() == [3, 4, 5, 6, 11, 12]

@@ -12,7 +12,7 @@ from specpass.drafters import (
     Candidate, Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, TargetForward, accept_greedy, build_tree,
     expected_tokens,
 )  # fmt: skip
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 
 
 def _verified(topk: torch.Tensor) -> TargetForward:
@@ -192,7 +192,7 @@ def test_cost_curve_times_fast_steps_until_enough_time_has_passed():
     def forward(delay):
         def run(tokens, layout):
             assert layout.size == len(tokens) and layout.kv_len == 256  # a chain after 256 - T cached slots
-            assert torch.equal(layout.ancestors, torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril())
+            assert torch.equal(layout.ancestors[0], torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril())
             calls[delay, len(tokens)] = calls.get((delay, len(tokens)), 0) + 1
             now[0] += delay
 

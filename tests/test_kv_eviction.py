@@ -13,7 +13,7 @@ from eviction_reference import evicting_greedy
 
 import specpass
 from specpass.drafters.registry import drafter_by_name
-from specpass.errors import GraphVerificationError, InvalidParameterError, PassMismatchError, PassPipelineError
+from specpass.common.errors import GraphVerificationError, InvalidParameterError, PassMismatchError, PassPipelineError
 from specpass.ir import capture
 from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
 from specpass.rewrites import A2SF, H2O, TOVA, EarlyExit, Keyformer, KVEviction, SinksWindow, SnapKV, TreeAttention

@@ -7,7 +7,7 @@ from conftest import TINY_ARCHS, char_tokenizer as _char_tokenizer, tiny_model
 
 import specpass
 from specpass.drafters.registry import drafter_by_name
-from specpass.errors import GraphVerificationError, InvalidParameterError, PassMismatchError, PassPipelineError
+from specpass.common.errors import GraphVerificationError, InvalidParameterError, PassMismatchError, PassPipelineError
 from specpass.ir import SlotLayout, capture
 from specpass.rewrites import EarlyExit, LadderResidual, TreeAttention
 from specpass.rewrites.ladder_residual import laddered_layers, residual_adds

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 import specpass
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 from specpass.heads.io import HeadsMismatchError
-from specpass.heads.train import Continuation
-from specpass.ir import RowsLayout, SlotLayout
+from specpass.research.heads_training import Continuation
+from specpass.ir import SlotLayout
 from specpass.research.ladder_training import (LadderTrainConfig, coarse_kl, laddered_step, load_recovered, recover_ladder,
                                       save_recovered, sequence_logits)  # fmt: skip
 from specpass.rewrites import LadderResidual, TreeAttention
@@ -73,7 +73,7 @@ def test_the_student_is_the_decode_time_laddered_model():
     tokens = torch.randint(3, 96, (17,), generator=torch.Generator().manual_seed(1))
     program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(TreeAttention(1), ladder), "budget": 1,
                                                "lowering": "eager"})  # fmt: skip
-    decoded = program.forward(tokens[None], RowsLayout.of((SlotLayout.chain(0, len(tokens)),)))[0][0]  # [L, V]
+    decoded = program.forward(tokens[None], SlotLayout.of((SlotLayout.chain(0, len(tokens)),)))[0][0]  # [L, V]
     torch.testing.assert_close(sequence_logits(laddered_step(model, ladder, 32), tokens), decoded, rtol=0, atol=1e-5)
 
 
@@ -104,7 +104,7 @@ def test_programs_built_before_training_are_not_reused():
     tokens = torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         trained = sequence_logits(laddered_step(model, ladder, 16), tokens)
-        torch.testing.assert_close(after.forward(tokens[None], RowsLayout.of((SlotLayout.chain(0, 12),)))[0][0], trained,
+        torch.testing.assert_close(after.forward(tokens[None], SlotLayout.of((SlotLayout.chain(0, 12),)))[0][0], trained,
                                    rtol=0, atol=1e-5)
     assert after is not before
 

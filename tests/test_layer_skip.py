@@ -8,7 +8,7 @@ from conftest import RowCounter, check_default_model_greedy, draft_then_resume, 
 import specpass
 from specpass.drafters import SelfDraft
 from specpass.backends.onnx.export import export
-from specpass.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
+from specpass.common.errors import ExportError, GraphVerificationError, InvalidParameterError, PassMismatchError
 from specpass.ir import capture, draft_spec
 from specpass.ir.draft import draft_graph
 from specpass.rewrites import EarlyExit, LayerSkip, TreeAttention

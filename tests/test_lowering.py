@@ -13,7 +13,6 @@ from specpass.backends.kernels.attention import ordered_attention
 from specpass.backends.kernels.kernel_set import use_kernels
 from specpass.backends.kernels.linear import rows_linear
 from specpass.backends.lowering import onednn
-from specpass.backends.lowering.buckets import pad_step
 from specpass.backends.lowering.registry import lower, resolve_lowering
 from specpass.drafters import DraftTree
 from specpass.ir import SlotLayout, capture, info
@@ -32,7 +31,7 @@ def _run_prefix_and_tree(step):
     prompt = torch.randint(0, 96, (1, 30))
     step(prompt, SlotLayout.chain(0, 30))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
-    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout(30, tree.ancestor_mask()))
+    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout.tree(30, tree.ancestor_mask()))
     return logits
 
 
@@ -151,7 +150,7 @@ def test_auto_lowering_and_its_refusals():
 
 @pytest.mark.parametrize("tree_step", [True, False])
 def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_step):
-    """What the CUDA-graph lowerings replay (backends.lowering.buckets.pad_step), run on the CPU: a step padded
+    """What the CUDA-graph lowerings replay (ir.layout.SlotLayout.padded), run on the CPU: a step padded
     to its bucket gives the real nodes' logits of the unpadded step and writes no slot a real node
     reads, for a tree step and for a chain step (which writes each token at its position)."""
     model = tiny_model("llama")
@@ -163,12 +162,12 @@ def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
     if not tree_step:
         tree = DraftTree.chain((5, 6, 7, 8, 9))
-    ids, layout = torch.tensor([tree.tokens]), SlotLayout(30, tree.ancestor_mask())
+    ids, layout = torch.tensor([tree.tokens]), SlotLayout.tree(30, tree.ancestor_mask())
     expected, _ = step(ids, layout)
     real_kv = gm.k_cache[:, :, :, 30:35].clone()
-    padded_ids, positions, padded = pad_step(ids, layout, 8)
-    inputs = padded.step_inputs(padded_ids)
-    inputs.update(positions=positions, kv_len=64)  # a bucket's attended length: past the tree, hidden
+    inputs = layout.padded(8, 1).step_inputs(ids)
+    positions = inputs["positions"]
+    inputs.update(kv_len=64)  # a bucket's attended length: past the tree, hidden
     got = step.run_graph(inputs)[0]
     torch.testing.assert_close(got[:, :5], expected, rtol=1e-5, atol=1e-5)
     assert positions[0].tolist() == [30, 31, 31, 32, 33, 35, 36, 37] if tree_step else list(range(30, 38))
@@ -181,7 +180,7 @@ def test_the_lowering_registry_is_the_one_list_of_lowerings_and_their_capabiliti
     lowerings it runs, and a batch is refused on a lowering the registry marks as one-row only."""
     from specpass.backends.lowering.registry import LOWERINGS
     from specpass.backends.options import CompileOptions
-    from specpass.errors import InvalidParameterError
+    from specpass.common.errors import InvalidParameterError
 
     for name in ("auto", *LOWERINGS):
         assert CompileOptions(lowering=name).lowering == name

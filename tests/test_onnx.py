@@ -14,7 +14,7 @@ import specpass
 from specpass.backends.onnx.export import export
 from specpass.cli import main
 from specpass.drafters import DraftTree
-from specpass.ir import RowsLayout, SlotLayout
+from specpass.ir import SlotLayout
 from specpass.passes import Pass, PassResult
 from specpass.passes.export import ExportGraph, ExportHook
 
@@ -58,12 +58,12 @@ def test_export_round_trip(tiny_exports, arch):
 
 def _forward(program, tokens, layout):
     """One sequence's forward: tokens [T] laid out by `layout` (a SlotLayout) -> logits [T, V]."""
-    return program.forward(tokens[None], RowsLayout.of((layout,)))[0][0]
+    return program.forward(tokens[None], SlotLayout.of((layout,)))[0][0]
 
 
 def _prefill(program, prompt):
     n = prompt.shape[0]
-    layout = RowsLayout.of((SlotLayout.chain(0, n),))
+    layout = SlotLayout.of((SlotLayout.chain(0, n),))
     program.forward(prompt[None], layout)
     program.commit(layout, [range(n)])
     return n
@@ -74,7 +74,7 @@ def test_tree_through_ort_equals_chains_branch_by_branch(tiny_exports):
     program = specpass.load_onnx(result.directory, cache_size=128)
     n = _prefill(program, torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)))
     tree = DraftTree((7, 11, 12, 13, 14, 15), (-1, 0, 0, 1, 3, 2), (1.0,) * 6, (None,) * 6)
-    tree_logits = _forward(program, torch.tensor(tree.tokens), SlotLayout(n, tree.ancestor_mask()))
+    tree_logits = _forward(program, torch.tensor(tree.tokens), SlotLayout.tree(n, tree.ancestor_mask()))
     for leaf in (4, 5):
         path, node = [], leaf
         while node >= 0:
@@ -92,7 +92,7 @@ def test_kv_commit_across_accepted_and_rejected_nodes(tiny_exports):
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
     n = _prefill(program, prompt)
     tree = DraftTree((5, 6, 7, 8), (-1, 0, 0, 2), (1.0,) * 4, (None,) * 4)  # node 1 is rejected
-    layout = RowsLayout.of((SlotLayout(n, tree.ancestor_mask()),))
+    layout = SlotLayout.of((SlotLayout.tree(n, tree.ancestor_mask()),))
     program.forward(torch.tensor(tree.tokens)[None], layout)
     program.commit(layout, [[0, 2, 3]])
     accepted = torch.cat([prompt, torch.tensor([5, 7, 8])])

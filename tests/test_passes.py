@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import tiny_model
 
-from specpass.errors import InvalidParameterError, PassMismatchError, PassPipelineError
+from specpass.common.errors import InvalidParameterError, PassMismatchError, PassPipelineError
 from specpass.ir import Role, capture, info
 from specpass.passes import Pass, PassManager, PassResult, Pipeline, order_passes
 from specpass.rewrites import TreeAttention

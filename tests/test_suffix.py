@@ -11,7 +11,7 @@ from conftest import NEW_TOKENS, check_default_model_greedy
 import specpass
 from specpass.drafters import Combined, PromptLookup, Suffix, TokenRecycling
 from specpass.drafters.suffix import SuffixTrie
-from specpass.errors import InvalidParameterError
+from specpass.common.errors import InvalidParameterError
 
 
 def _random_sequences(seed: int, count: int = 6, vocab: int = 4) -> list[list[int]]:

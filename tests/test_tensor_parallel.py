@@ -16,7 +16,7 @@ import torch.distributed as dist
 from conftest import tiny_model
 
 import specpass
-from specpass.errors import PassMismatchError
+from specpass.common.errors import PassMismatchError
 from specpass.ir import capture
 from specpass.ir.roles import info
 from specpass.rewrites import LadderResidual, TensorParallel, TreeAttention

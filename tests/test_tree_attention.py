@@ -3,8 +3,8 @@ import torch
 from conftest import tiny_model
 
 from specpass.drafters import DraftTree
-from specpass.errors import InvalidParameterError, PassMismatchError
-from specpass.ir import Role, RowsLayout, SlotLayout, capture, info, query
+from specpass.common.errors import InvalidParameterError, PassMismatchError
+from specpass.ir import Role, SlotLayout, capture, info, query
 from specpass.ir.layout import slot_visibility
 from specpass.ir.roles import placeholder
 from specpass.passes import PassManager, Pipeline
@@ -29,18 +29,18 @@ def brute_force_mask(parents, prefix: int, kv_len: int) -> torch.Tensor:
 def test_tree_mask_matches_brute_force():
     tree = DraftTree(tuple(range(7)), PARENTS, (1.0,) * 7, (None,) * 7)
     prefix, kv_len = 5, 16
-    layout = SlotLayout(prefix, tree.ancestor_mask())
-    mask = slot_visibility(layout.ancestors[None], layout.write_slots()[None], kv_len)
+    layout = SlotLayout.tree(prefix, tree.ancestor_mask())
+    mask = slot_visibility(layout.ancestors, layout.step_inputs(torch.zeros(1, 7, dtype=torch.long))["cache_slots"], kv_len)
     assert mask.shape == (1, 1, 7, kv_len)
     assert torch.equal(mask[0, 0], brute_force_mask(PARENTS, prefix, kv_len))
     # two rows, each with its own prefix: each row's mask is its own brute-force mask
-    rows = RowsLayout.of((layout, SlotLayout(2, tree.ancestor_mask())))
+    rows = SlotLayout.of((layout, SlotLayout.tree(2, tree.ancestor_mask())))
     inputs = rows.step_inputs(torch.zeros(2, 7, dtype=torch.long))
     both = slot_visibility(inputs["tree_mask"], inputs["cache_slots"], kv_len)
     assert torch.equal(both[0, 0], brute_force_mask(PARENTS, prefix, kv_len))
     assert torch.equal(both[1, 0], brute_force_mask(PARENTS, 2, kv_len))
     assert tree.depths() == [0, 1, 1, 2, 2, 3, 2]
-    assert layout.positions().tolist() == [prefix + d for d in tree.depths()] and layout.kv_len == prefix + 7
+    assert layout.positions().tolist() == [[prefix + d for d in tree.depths()]] and layout.kv_len == prefix + 7
 
 
 @pytest.fixture(scope="module")

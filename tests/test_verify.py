@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from specpass.errors import GraphVerificationError
+from specpass.common.errors import GraphVerificationError
 from specpass.ir import Role, capture, copy_step, info, query, verify
 from specpass.ir.draft import DRAFT_META, DraftGraphSpec, DraftTensor, attach_draft, trace_draft
 from specpass.ir.layout import slot_visibility

@@ -1,36 +1,15 @@
 """Attention whose result for a query does not depend on the rest of the call (CPU, numba).
 
-Why. `scaled_dot_product_attention` splits its reductions by the shape of the call: a query computed
-among 8 others gets other bits than the same query alone (2-core AMD EPYC, float32), and a tree node's
-keys sit at other cache slots than the same token's keys in a chain. Speculation is exact by
-construction only when a token's logits are one function of its own visible keys (docs/design.md,
-"Lossless by construction").
+Speculation is exact by construction only when a token's logits are one function of its own visible
+keys; SDPA splits its reductions by the call's shape (docs/design.md, "Lossless by construction"). For
+query (b, h, t), over its visible slots s_0 < s_1 < ... (its mask row, in slot order):
 
-Contract. For query (b, h, t), with visible slots s_0 < s_1 < ... (its mask row, in slot order):
+    score_i = sum over d of (q[d] * scale) * k_i[d], d in order     (soft-capped through `_tanh`)
+    out     = (sum over i of e_i * v_i) / (sum over i of e_i),      e_i = `_exp`(score_i - max score)
 
-    score_i = sum over d of (q[d] * scale) * k_i[d]      d = 0, 1, ..., D-1, one after another
-    (soft-capped: softcap * tanh(score_i / softcap), `_tanh`)
-    e_i     = exp(score_i - max_i score_i)               `_exp`: arithmetic only, the same in every lane
-    out     = (sum over i of e_i * v_i) / (sum over i of e_i)    i = 0, 1, ..., one after another
-
-Every sum runs in that order and every step rounds as written (mul, then add: no fused multiply-add;
-numba emits none without fastmath). The order depends only on the visible keys' order: for a tree node
-that is the committed prefix, then its ancestors by depth (ancestors precede their descendants in a
-layout, ir.layout), exactly the slots of the same token decoded one at a time. Hidden slots are
-skipped, so they change no partial sum; other queries, rows, padding, T and the attended length
-change nothing; nor does the thread count (each query is computed by one thread).
-
-Speed. Scores are computed 4 queries x 64 keys at a time from a transposed block of keys (blocks no
-query of a tile sees are skipped: a prefill's future), the weighted sums 4 queries x 64 dims at a time,
-both with accumulators in registers (`_stack_array`).
-
-Threads. The kernel runs on torch's thread count: on numba's OpenMP pool with that many threads, or on
-the calling thread when it is one. Each query is computed by one thread either way, so the thread
-count changes no bit. Numba's pool is started only for a parallel call (`_start_numba_threads`): it
-sets the OpenMP thread count of the runtime torch may share, which is set back at once, and its
-threads join that runtime's pool, whose idle threads spin at every parallel region (started in a
-process of one torch thread, such a thread took half a core: each pytest-xdist worker ran several
-times slower). It starts with passive waiting where its runtime is its own.
+Each step rounds as written (numba emits no fused multiply-add without fastmath); `_exp` is float32
+arithmetic, the same in every lane. Hidden slots are skipped: other queries, rows, padding, T, the
+attended length and the thread count (a query is one thread's) change no bit.
 """
 
 from __future__ import annotations
@@ -292,7 +271,10 @@ _started = False
 
 
 def _start_numba_threads() -> None:
-    """Start numba's thread pool once, leaving torch's thread count as it was (module docstring)."""
+    """Start numba's thread pool once, only for a parallel call, leaving torch's thread count as it was.
+    Starting it sets the OpenMP thread count of the runtime torch may share (set back here), and its
+    threads join that runtime's pool, whose idle threads spin at every parallel region; it starts
+    with passive waiting where its runtime is its own (docs/design.md, "Lossless by construction")."""
     global _started
     with _START:
         if _started:

@@ -22,8 +22,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.kernels import attention, linear
-from specpass.ir import copy_step, query, replace_node
+from . import attention, linear
+from ...ir import copy_step, query, replace_node
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _cache_rows(kv: torch.fx.Node) -> torch.fx.Node:
 def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch.Tensor] | None) -> None:
     """Each `call_module` of an `nn.Linear` whose weight the kernel takes becomes rows_linear(x, weight,
     bias, min_rows, max_rows) (`linear.row_bounds`); packed weights become buffers of `gm` (one per weight)."""
-    from specpass.backends.lowering.onednn import packed_weight
+    from ..lowering.onednn import packed_weight
 
     graph = gm.graph
     names: dict[int, str] = {}

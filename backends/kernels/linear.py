@@ -1,29 +1,14 @@
 """A linear layer whose result for a row does not depend on the other rows of the call (CPU, oneDNN).
 
-Why. PyTorch's default CPU linear (MKL sgemm) picks its kernel by the number of rows: measured on a
-2-core AMD EPYC (torch 2.13, float32, the default model's shapes), every row of a call of 2 or more
-rows differs from the same row alone, and calls of 4, 8, 16, ... rows differ from each other too.
-oneDNN's float32 linear (`mkldnn._linear_pointwise`, on the weight as it is or packed for oneDNN: the
-same bits) gave a row the same bits in every call of 2 to 2048 rows there and on a 2-core Intel Xeon
-with AMX, at 1 and 2 threads, while a call of one row runs another kernel for some shapes.
-
-So the call sizes a weight may take are measured, per weight shape, packing and thread count, once
-per process (`row_bounds`): the sizes (1..16, then a ladder to 512) whose rows keep the bits of the
-same rows computed in pairs, 64 rows compared, float32 outputs keeping every bit of the sums.
-`rows_linear` runs every call as pieces of measured sizes only: a lone row beside a copy of itself
-where a one-row call differs, a long call in pieces of at most the largest size up to which every
-measured size agrees.
-
-Lower precision computes in float32. oneDNN's bfloat16 kernels were not one function on the Xeon
-(calls of more than 32 rows run AMX kernels whose rows differ from smaller calls' and from each
-other's, irregularly: a probe of 64 rows passed sizes that then differed on other data), and a
-bfloat16 output rounds away the evidence a probe needs. So a bfloat16 linear here is the float32
-linear of its bfloat16 inputs and weights (exact products, float32 sums), rounded once at the end:
-the weights packed as float32 (twice the bytes), at 2-7x the time of oneDNN's AMX bfloat16 kernel
-there (docs/experiments.md).
-
-Invariant. rows_linear(x)[i] depends only on x[i], the weight and the bias (checked at build time by
-backends.runtime.invariance, tested in tests/test_invariance.py).
+PyTorch's default CPU linear (MKL sgemm) picks its kernel by the number of rows, so a row's bits depend on
+the call's size. oneDNN's float32 linear (`mkldnn._linear_pointwise`, on the weight as it is or packed:
+the same bits) kept a row's bits in every call size measured, except that a one-row call runs another
+kernel for some shapes (docs/experiments.md, "Lossless by construction"). Since that is a measurement,
+`row_bounds` measures each weight shape, packing and thread count once per process (sizes 1..16, then a
+ladder to 512, against the same 64 rows computed in pairs) and `rows_linear` runs every call as pieces
+of measured sizes only. A bfloat16 linear computes in float32 on float32 weights and rounds once
+(oneDNN's bfloat16 kernels were not one function). Invariant: rows_linear(x)[i] depends only on x[i],
+the weight and the bias (checked at build time by backends.runtime.invariance).
 """
 
 from __future__ import annotations

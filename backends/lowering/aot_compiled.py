@@ -1,29 +1,15 @@
-"""Ahead-of-time lowering for CPUs: the rewritten step compiled once by AOTInductor into a package on
-disk, one program for every tree size and attended length, loaded in about a second by later processes.
+"""Ahead-of-time lowering for CPUs: the rewritten step compiled once by AOTInductor into a package on disk,
+one program for every tree size and attended length, loaded by later processes without a compiler.
 
-Why. On a CPU the step op by op spends more time between its ops than in its GEMMs (the gguf step:
-over 5,000 op calls a token). Compiled whole, the elementwise work around the GEMMs is fused, no Python
-runs per op and the GEMMs' weights are prepared once at compile time. `torch.compile` does the fusing
-too, but traces the graph again in every process (dynamo: 20-30 s for the default model's 30 layers,
-before its cache on disk can help) and compiles one token and more tokens separately; an exported
-program with symbolic sizes is compiled once and only loaded afterwards (measured: docs/experiments.md,
-"A compiled gguf step").
-
-How. The step (cache writes in place, backends.lowering.inductor) is exported with the tokens T and the
-attended length S symbolic (S passed as the length of a tensor: exported programs take no int inputs),
-compiled with its constants inside the package, and loaded with the step's own KV-cache buffers as
-user-managed constants, so the compiled program writes the cache every other graph of the program
-reads. The package's name is a hash of the step's code, its tensors' shapes and the content of every
-tensor but the caches (weights are baked into the package), the torch version and the CPU's
-instruction-set extensions. A C++ compiler is needed only to compile a package, not to load one.
-
-Invariants. The compiled step computes the FX step's function on the same cache buffers; outputs differ
-from the op-by-op step's by float rounding only. Every call runs the package, so a program on it is one
-function: the exported range starts at S = 2 (export specialises sizes 0 and 1; a one-slot step runs at
-S = 2, its second slot hidden by the mask) and stops short of the full cache (S <= cache slots - 1: the
-program's cache is one slot shorter, `max_attended`). The package holds a copy of the weights (the
-default model's gguf step: about 300 MB), mapped into memory when loaded; the KEPT_PACKAGES most
-recently used packages of a lowering stay on disk.
+Op by op, a CPU step spends more time between its ops than in its GEMMs; compiled whole, the elementwise
+work is fused and no Python runs per op, and unlike `torch.compile` nothing is traced again per process
+(docs/design.md, "The gguf step compiled whole"). The step (cache writes in place,
+backends.lowering.inductor) is exported with T and the attended length S symbolic, compiled with its
+weights inside, and loaded with the program's own KV-cache buffers as user-managed constants. The
+package's name hashes the step's code, its tensors' shapes and contents (caches excepted), the torch
+version and the CPU's flags; the KEPT_PACKAGES most recently used stay on disk. Every call runs the
+package, so a program on it is one function: S spans [2, cache slots - 1] (`max_attended`; a one-slot
+step runs at S = 2, its second slot masked).
 """
 
 from __future__ import annotations
@@ -39,13 +25,13 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.eager import EagerStep
-from specpass.errors import InvalidParameterError
-from specpass.backends.lowering.inductor import dense_row_major, inplace_cache_writes, require_cpp_compiler
-from specpass.ir.layout import SlotLayout
-from specpass.user_cache import cache_dir
+from .eager import EagerStep
+from ...common.errors import InvalidParameterError
+from .inductor import dense_row_major, inplace_cache_writes, require_cpp_compiler
+from ...ir.layout import SlotLayout
+from ...common.user_cache import cache_dir
 
-KEPT_PACKAGES = 4  # of one lowering, the most recently used: each holds its weights (300 MB for the default model)
+KEPT_PACKAGES = 4  # of one lowering, the most recently used: each holds its weights (sizes: docs/experiments.md)
 PACKAGE_FORMAT = 1  # bump when what a package holds or how it is built changes
 EXAMPLE_TOKENS = 5  # the export's example T: a size no other dimension of the step's inputs has
 
@@ -157,9 +143,10 @@ def compile_package(gm: torch.fx.GraphModule, names: list[str], slots: int, path
 
 def load_package(path: str):
     """The package at `path`, loaded without `aoti_load_package`'s device check: that check runs
-    inductor's ISA probe to compare the CPU's vector ISA with the package's, which compiles six test
-    programs when inductor's cache folder is empty (6-11 s of a warm start, and a C++ compiler) and
-    runs them otherwise (1 s); the package's name already holds the CPU's flags (`package_key`)."""
+    inductor's ISA probe to compare the CPU's vector ISA with the package's, which compiles test
+    programs when inductor's cache folder is empty (seconds of a warm start, and a C++ compiler) and
+    runs them otherwise (measured: docs/experiments.md, "A warm start in seconds"); the package's name
+    already holds the CPU's flags (`package_key`)."""
     try:
         from torch._inductor.package.package import AOTICompiledModel
 

@@ -1,28 +1,21 @@
 """CUDA-graph lowering: one captured graph per (rows, tree-size, attended-length) bucket, replayed per step.
 
-Inputs are copied into static buffers padded to the bucket (`ir.layout.RowsLayout.step_inputs` with a
-size and a row count): padded tree nodes see only themselves and write their K/V into slots past
-their row's real tree (never read), padded rows write into cache rows no live sequence uses, and
-padded key columns are hidden by the mask, so the real nodes' logits equal the eager step's. Buckets
-come from the step's slot layout, built on the host: nothing is read back from the device.
-
-Buckets. T rounds up to a power of two, the attended length to a multiple of KV_BUCKET
-(backends.lowering.buckets), and the rows of a step (backends.runtime.decode) to a power of two capped at
-the rows the cache holds: a batch whose rows finish one by one replays at most log2(B) + 1 row
-buckets instead of capturing one graph per live-row count. A one-sequence program's steps are one
-row, as before.
-
-Host work is the floor of a replayed step (an H100 replays SmolLM2-135M's inductor step in 1.2 ms):
-given host-side token ids and layout (what the decode loop passes), the padding runs on the host
-and reaches the device as one copy per input; device-side inputs are padded on the device.
+Inputs are copied into static buffers padded to the bucket (`ir.layout.SlotLayout.padded`): padded
+nodes see only themselves and write past their row's real tree, padded rows write cache rows no live
+sequence uses, padded key columns are masked, so the real nodes' logits equal the eager step's. T rounds
+up to a power of two, the attended length to a multiple of KV_BUCKET (backends.lowering.buckets), the rows
+to a power of two capped at the cache's rows (a batch whose rows finish one by one replays at most
+log2(B) + 1 row buckets). Buckets come from the host-built layout: nothing is read back from the device.
+Host work is the floor of a replayed step, so host-side inputs are padded on the host and reach the
+device as one copy per input; device-side inputs are padded on the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specpass.backends.lowering.buckets import kv_bucket, tree_bucket
-from specpass.ir.layout import RowsLayout, SlotLayout
+from .buckets import kv_bucket, tree_bucket
+from ...ir.layout import SlotLayout
 
 
 def capture(run, static: dict, pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
@@ -58,7 +51,7 @@ class CudaGraphStep:
     def kinds(self) -> tuple[str, ...]:
         return (self.kind,)
 
-    def _bucket(self, layout: RowsLayout) -> tuple[int, int, int] | None:
+    def _bucket(self, layout: SlotLayout) -> tuple[int, int, int] | None:
         """(rows, tokens, attended slots) of the graph that replays `layout`, None to run it eagerly."""
         tb = max(tree_bucket(layout.size), self.eager.min_tokens)
         committed = max(layout.committed)
@@ -75,13 +68,12 @@ class CudaGraphStep:
         return graph, outputs
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout | RowsLayout):
-        rows = layout if isinstance(layout, RowsLayout) else RowsLayout.of((layout,))
-        bucket = self._bucket(rows)
+    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout):
+        bucket = self._bucket(layout)
         if bucket is None:  # a prompt, or too close to the end of the cache to pad: run eagerly
             return self.eager(input_ids, layout)
         rb, tb, sb = bucket
-        padded = rows.step_inputs(input_ids, size=tb, batch=rb)
+        padded = layout.padded(tb, rb).step_inputs(input_ids)
         inputs = {name: value for name, value in padded.items() if name in self.input_names}
         inputs["kv_len"] = sb  # the bucket's attended length: slots past the tree are hidden by the mask
         if bucket in self.graphs:
@@ -95,4 +87,4 @@ class CudaGraphStep:
             graph, outputs = self._capture(static)
             self.graphs[bucket] = graph, static, outputs
         graph.replay()
-        return tuple(o[: len(rows.committed), : rows.size] for o in outputs)
+        return tuple(o[: layout.rows, : layout.size] for o in outputs)

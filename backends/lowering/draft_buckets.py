@@ -1,17 +1,12 @@
 """A draft graph by rows (ir.draft) in CUDA graphs: one captured graph per bucket of its named sizes.
 
-A draft graph's spec names the sizes that vary between calls (ROWS "N", and others such as a feature
-draft's "T" and "S"; an axis "S+T" is their sum). Each named size rounds up to a power of two
-(`tree_bucket`), so a program replays a few graphs per size, never one per call. Inputs are padded
-with zeros (False for a mask): an axis of one name holds its real entries first; a summed axis holds
-each part at the start of its own padded block ("S+T": [0, S) in the first S_b slots, then the T part
-from S_b). Padded rows and tokens compute values that are cut away, and real entries never read them:
-rows are independent queries (the protocol's promise), and a real token attends to no padded key, whose
-mask entries are False. `cut_outputs` cuts each output back to the real sizes, re-joining a summed
-axis's parts, into new tensors: the captured outputs are overwritten by the next replay.
-
-The padding is plain tensor code, checked on the CPU against the unpadded call
-(tests/test_draft_buckets.py); the capture and replay need a GPU (tests/test_gpu.py).
+The spec names the sizes that vary between calls (ROWS "N", a feature draft's "T" and "S"; an axis "S+T"
+is their sum); each rounds up to a power of two (`tree_bucket`), so a program replays a few graphs per
+size, never one per call. Inputs are zero-padded (False for a mask): an axis of one name holds its real
+entries first, a summed axis each part at the start of its own padded block. Real entries never read
+padded ones (rows are independent; a padded key's mask entries are False). `cut_outputs` cuts each output
+back to the real sizes into new tensors (the next replay overwrites the captured ones). The padding is
+tested on the CPU (tests/test_draft_buckets.py); the capture and replay need a GPU (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -20,9 +15,9 @@ import itertools
 
 import torch
 
-from specpass.backends.lowering.buckets import tree_bucket
-from specpass.backends.lowering.cudagraphs import capture
-from specpass.ir.draft import ROWS, DraftGraphSpec
+from .buckets import tree_bucket
+from .cudagraphs import capture
+from ...ir.draft import ROWS, DraftGraphSpec
 
 
 def named_sizes(spec: DraftGraphSpec, inputs: dict) -> dict[str, int]:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from specpass.ir.layout import RowsLayout, SlotLayout
+from ...ir.layout import SlotLayout
 
 
 class EagerStep:
     """Runs a GraphModule directly: the rewritten step itself (`eager`, the reference) or its oneDNN lowering.
 
-    The `backends.lowering.registry.Step` contract: `step(input_ids [B, T], layout)` (an ir.layout.RowsLayout,
-    or a SlotLayout for every row) returns the graph's outputs (logits [B, T, V], hidden [B, T, H],
+    The `backends.lowering.registry.Step` contract: `step(input_ids [B, T], layout)` (an ir.layout.SlotLayout) returns the graph's outputs (logits [B, T, V], hidden [B, T, H],
     ...); `run_graph` takes the graph's inputs by name (a draft graph is called that way, with its
     DraftGraphSpec's inputs).
     """
@@ -35,6 +34,6 @@ class EagerStep:
     def run_graph(self, inputs: dict):
         return self.gm(**{name: inputs[name] for name in self.input_names})
 
-    def __call__(self, input_ids: torch.Tensor, layout: RowsLayout | SlotLayout):
+    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout):
         """input_ids [B, T] and layout on the host or on the step's device."""
         return self.run_graph(layout.to(self.device).step_inputs(input_ids.to(self.device)))

@@ -1,31 +1,14 @@
-"""Sibling projections as one GEMM: the linears of a step that read the same input (a layer's q, k and
-v projections; its MLP's gate and up projections) become one linear over their concatenated weights,
-whose output is split back into the original outputs.
+"""Sibling projections as one GEMM: linears reading the same input (a layer's q, k, v; its MLP's gate and
+up) become one linear over their concatenated weights, its output split back into the members' outputs.
 
-Why. On a GPU a small model's decode step is bound by kernel count, not bytes: SmolLM2-135M's
-inductor step spends half its device time in seven cuBLAS GEMMs a layer of ~3.6 us each
-(docs/experiments.md, "GPU step"). Fused, a layer runs four GEMMs (q|k|v, o, gate|up, down) that
-read the same bytes. For an 8B model the fused GEMMs are also wider, which keeps cuBLAS off its
-split-K kernels.
-
-Rewrite. A copy of the graph in which each group of two or more `call_module` nodes of plain
-`nn.Linear`s with the same input node, dtype, device and bias presence is replaced by one call of a
-new `nn.Linear` (registered as `fused.<first target>`, weight [sum N_i, K] = cat of the members'
-weights, bias likewise) followed by `split(N_i, dim=-1)`; each member's users read its part. Node
-annotations are kept: the fused call takes the first member's, with role QKV when the members are
-q/k/v projections; each part takes its member's. The source graph module is not modified.
-
-Invariants. Each part equals the member's own linear up to GEMM rounding (one wider GEMM may block
-its reduction differently), so logits agree with the unfused step to float rounding. The fused
-weights are a copy made at lowering time, once per process for every program of the model
-(`fused_linear`): the model's weights must not change after compilation (a program compiled later
-sees the change), and the device holds those projections twice (for Llama-3.1-8B in bf16, 9.1 of its
-16 GB). On a CPU the oneDNN lowering packs the fused weights instead of the members', so the fused
-float32 copy is a third copy of those projections (280 MB for the default model) until the model goes.
-
-Where. Under every lowering that runs linears as GEMMs on their float weights: `onednn` (a CPU step
-8-13 % faster at 1-16 tokens, 2-core AVX2 EPYC), `cudagraphs`, `inductor`. Not under `eager` (the
-reference) or `gguf` (its blocks belong to the members).
+A layer then runs four GEMMs instead of seven over the same bytes, which matters where a step is bound by
+kernel count (a GPU) and pays on a CPU too (docs/experiments.md, "GPU step, 2026-11-26" and "Sibling
+projections fused under oneDNN"). A group: plain `nn.Linear` call_modules with the same input node,
+dtype, device and bias presence; the fused call takes the first member's annotation (role QKV for
+q/k/v), each part its member's; the source graph is not modified. Each part equals its member up to
+GEMM rounding. The fused weights are a copy, made once per process for the model's programs
+(`fused_linear`): the model's weights must not change after compilation. Used under `onednn`,
+`cudagraphs` and `inductor`; not under `eager` (the reference) or `gguf` (the members' blocks).
 """
 
 from __future__ import annotations
@@ -36,9 +19,9 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.derived_cache import DerivedCache
-from specpass.ir import copy_step
-from specpass.ir.roles import META_KEY, NodeInfo, Role
+from .derived_cache import DerivedCache
+from ...ir import copy_step
+from ...ir.roles import META_KEY, NodeInfo, Role
 
 QKV_ROLES = {Role.Q, Role.K, Role.V}
 

@@ -1,27 +1,14 @@
 """GGUF lowering for CPUs: the step's linear layers read the model's own quantized GGUF blocks.
 
-Why. A float32 step reads every de-quantized weight (about 540 MB for SmolLM2-135M), while the
-GGUF file's 4-bit blocks are about 75 MB: at a handful of tokens a decode step is bound by those
-bytes, so reading the blocks is what lets a CPU decode as fast as llama.cpp on the same file.
-
-Rewrite. A copy of the graph in which each `call_module` of an `nn.Linear` whose blocks matched
-(backends.lowering.gguf_blocks) becomes `gguf_linear(x, planes, bias)`, running PyTorch's int4 weight-only
-CPU kernel (`aten._weight_int4pack_mm_for_cpu`, groups of 32 inputs, the kernel's weight being
-(code - 8) * scale + zero) on bfloat16 activations (its float16 path is a slow reference, 15-40x slower):
-
-    Q4_0, Q4_1  one plane: scale d, zero offset + 8 d (both rounded to bfloat16)
-    Q8_0        two planes, since code + 128 = 16 h + l with h, l in 0..15:
-                h with scale 16 d and zero 0, l with scale d and zero 8 d; their sum is d * code
-                (up to d's rounding to bfloat16)
-
-The packed planes are buffers of the lowered module, shared between graphs lowered together (the
-verify step and the draft graph share the LM head). Linears without matched blocks stay on the
-float32 kernel; node annotations are kept; the source graph module is not modified.
-
-Exactness. This is not the float32 function: activations, scales and zeros are rounded to bfloat16
-(relative 2^-8) and the kernel returns bfloat16. Greedy output therefore differs from float32 greedy
-where the float32 top-2 logits are within that rounding of each other (a near-tie, NEAR_TIE_LOGITS);
-docs/experiments.md ("GGUF lowering") counts the divergences.
+At a handful of tokens a step is bound by the bytes of its weights, and the file's 4-bit blocks are a
+fraction of the de-quantized float32 weights (docs/design.md, "GGUF blocks"). Each `nn.Linear` whose
+blocks matched (backends.lowering.gguf_blocks) becomes `gguf_linear(x, planes, bias)` on PyTorch's int4
+CPU kernel (`aten._weight_int4pack_mm_for_cpu`, groups of 32, weight (code - 8) * scale + zero) with
+bfloat16 activations (its float16 path is a slow reference). Q4_0 / Q4_1: one plane, scale d, zero offset
++ 8 d; Q8_0: two, code + 128 = 16 h + l, h with scale 16 d, l with scale d and zero 8 d. The planes are
+buffers shared by the graphs lowered together; other linears stay float32; the source graph is not
+modified. Not the float32 function: activations, scales and zeros round to bfloat16, so greedy output
+can differ from float32 greedy at a near-tie (NEAR_TIE_LOGITS; docs/experiments.md, "GGUF lowering").
 """
 
 from __future__ import annotations
@@ -30,14 +17,14 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.gguf_blocks import BLOCK, BlockWeight, match_blocks
-from specpass.errors import InvalidParameterError
-from specpass.ir import arch_of, copy_step, replace_node
-from specpass.ir.capture import GGUF_META
+from .gguf_blocks import BLOCK, BlockWeight, match_blocks
+from ...common.errors import InvalidParameterError
+from ...ir import arch_of, copy_step, replace_node
+from ...ir.capture import GGUF_META
 
-# A greedy flip needs the float32 top-2 logit gap below the sum of the two logits' errors. Measured on
-# the default model (8 tuning prompts, 503 positions, docs/experiments.md "GGUF lowering"): the lowering's
-# logits differ from float32 by 0.26 (median), 0.52 (p99), 0.65 (max): two errors stay below 1.3.
+# A greedy flip needs the float32 top-2 logit gap below the sum of the two logits' errors: the bound is
+# twice the largest error measured on the default model, rounded up (docs/experiments.md, "GGUF lowering",
+# "First measurements").
 NEAR_TIE_LOGITS = 1.5
 ACTIVATION = torch.bfloat16  # the kernel's activation, scale and zero dtype (float16 is its slow reference path)
 

@@ -1,26 +1,14 @@
 """The quantized blocks of a GGUF file, matched to the linear layers of a captured decode step.
 
-Format. GGUF stores a linear weight [N, K] (N outputs, K inputs) row by row, in blocks of 32
-consecutive inputs, each block with float16 constants:
+GGUF stores a linear weight [N, K] in blocks of 32 inputs with float16 constants: Q4_0 w = d (q - 8) and
+Q4_1 w = d q + m (q in 0..15), Q8_0 w = d q (q in -128..127). Here a weight is codes [N, K] with per-block
+`scale` and `offset` [N, K/32] (float32, exact): w = scale * code + offset. A step linear's HF name finds
+its GGUF tensor through gguf's own name map (a tied LM head reads `token_embd`, as llama.cpp does), and
+the row permutation transformers applies to llama q/k, taken from its own tensor processor, is applied.
 
-    Q4_0  w = d * (q - 8)   q in 0..15
-    Q4_1  w = d * q + m     q in 0..15
-    Q8_0  w = d * q         q in -128..127
-
-Here every weight is read as codes [N, K] with per-block `scale` and `offset` [N, K/32] (float32,
-holding the float16 values exactly): w = scale * code + offset.
-
-Matching. A step's `nn.Linear` call_module targets are Hugging Face names (`layers.3.mlp.down_proj`);
-gguf's own name map turns them into GGUF names (`blk.3.ffn_down`). A tied LM head has no `output`
-tensor and reads `token_embd`, as llama.cpp does. transformers permutes the rows of llama q/k
-weights when it loads a GGUF (rotary layout); the same row permutation, taken from transformers'
-own tensor processor, is applied to the codes and constants.
-
-Invariant. A weight's blocks are used only when, de-quantized in float32 the way transformers'
-GGUF loader does it (d * q + m), they equal the module's float32 weight bit for bit. So the blocks
-are exactly the weights the float32 model runs, whatever the mapping did; a weight that does not
-match (another file, weights changed since loading, an unsupported block type) is reported and
-left to the float32 kernels.
+Invariant. A weight's blocks are used only when, de-quantized as transformers does (d * q + m), they
+equal the module's float32 weight bit for bit; a weight that does not match (another file, changed
+weights, an unsupported block type) is reported and left to the float32 kernels.
 """
 
 from __future__ import annotations
@@ -32,8 +20,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.lowering.gguf_index import read_index
-from specpass.errors import InvalidParameterError
+from .gguf_index import read_index
+from ...common.errors import InvalidParameterError
 
 BLOCK = 32
 # block type name -> bytes per block (float16 constants, then the codes)

@@ -1,16 +1,14 @@
-"""The tensor index of a GGUF file: each tensor's name, block type, shape and bytes (a read-only map of
-the file), and the file's architecture, read without parsing the rest of its metadata.
+"""The tensor index of a GGUF file: each tensor's name, block type, shape and bytes (a read-only map of the
+file), and its architecture, read without parsing the rest of its metadata.
 
-Why not `gguf.GGUFReader`. The reader turns every metadata value into numpy views, one per part: the
-default model's tokenizer alone has 147,000 parts, 2.7-5 s of Python in every process that lowers
-onto the file's blocks, for values the lowering never reads. Here a metadata value is skipped by its
-length; only `general.architecture` and `general.alignment` are decoded.
-
-Format (GGUF v2 and v3, little-endian): magic "GGUF", uint32 version, uint64 tensor count, uint64
-key-value count; key-value pairs (string key, uint32 value type, value; a string is a uint64 length and
-its bytes, an array a uint32 item type, a uint64 count and its items); then per tensor its string name,
-uint32 dimension count, uint64 dimensions (innermost first), uint32 block type and uint64 offset into
-the data section, which starts at the next multiple of `general.alignment` (32 by default).
+`gguf.GGUFReader` turns every metadata value into numpy views, the tokenizer's many parts included, for
+values the lowering never reads (its cost per process: docs/experiments.md, "A warm start in seconds");
+here a value is skipped by its length, and only `general.architecture` and `general.alignment` are
+decoded. Format (GGUF v2 and v3, little-endian): magic "GGUF", uint32 version, uint64 tensor and
+key-value counts; key-value pairs (string key, uint32 type, value: a string is a uint64 length and its
+bytes, an array a uint32 item type, a uint64 count and its items); per tensor its name, uint32
+dimension count, uint64 dimensions (innermost first), uint32 block type and uint64 offset into the
+data section, which starts at the next multiple of `general.alignment` (32 by default).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specpass.errors import InvalidParameterError
+from ...common.errors import InvalidParameterError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -1,27 +1,14 @@
-"""TorchInductor lowering: the rewritten step compiled by inductor, so each layer's pointwise work
-(RMSNorm, rotary, SiLU-gate, residual adds, the cache writes) runs as a few fused kernels instead of
-one kernel per FX node.
+"""TorchInductor lowering: the rewritten step compiled by inductor, so each layer's pointwise work (norms,
+rotary, SiLU-gate, residual adds, cache writes) runs as a few fused kernels, not one per FX node.
 
-Why. On a GPU a small model's step is bound by kernel launches, not arithmetic: SmolLM2-135M's FX
-step launches about 40 kernels per layer. In a CUDA graph the launches are cheap but each kernel
-still costs a few microseconds, so fewer, fused kernels set the step's floor
-(docs/experiments.md, "GPU step").
-
-Rewrite before compiling (`inplace_cache_writes`). The FX step writes a layer's new K/V as
-`write_cache(k_cache[layer], slots, new)` (a scatter into the written rows): a mutation through a
-view of the step's cache buffer.
-Inductor functionalizes that into a copy of the layer's whole cache slice per write and a copy of
-the whole buffer back at the end (four cache-sized copies a step, growing with the cache: on an
-H100 two 78 us copies of an 8B model's 1024-slot caches). Written as one `index_put_` on the buffer
-itself, `k_cache.index_put_([layer, rows, heads, slots], new)`, the mutation is of a graph input's
-base and inductor scatters the T new slots of each row in place.
-
-Invariants. The compiled step computes the same function of the same graph on the same KV-cache
-buffers (in-place writes into the step's own `k_cache` / `v_cache`); its outputs differ from the FX
-step's only by float rounding (reductions fused in another order). One compile serves every tree
-size and attended length (`dynamic=True`: T and kv_len are symbolic; T = 1 gets its own
-specialisation, which the CUDA-graph lowering never asks for: its smallest bucket is two tokens),
-so a bucketed CUDA-graph replay (backends.lowering.cudagraphs) captures it per bucket without recompiling.
+On a GPU a small model's step is bound by kernel count (docs/experiments.md, "GPU step"). Before
+compiling, `inplace_cache_writes` turns `write_cache(k_cache[layer], slots, new)`, a mutation through a
+view that inductor would functionalize into whole-cache copies every step, into
+`k_cache.index_put_([layer, rows, heads, slots], new)`, which scatters each row's T new slots in place.
+The compiled step computes the FX step's function on the same cache buffers, up to float rounding
+(reductions fused in another order). One compile serves every tree size and attended length
+(`dynamic=True`; T = 1 gets its own specialisation, which the CUDA-graph buckets never ask for: they
+start at two tokens), so a bucketed replay (backends.lowering.cudagraphs) captures it without recompiling.
 """
 
 from __future__ import annotations
@@ -32,16 +19,16 @@ import torch
 import torch.fx
 from torch._prims_common import make_contiguous_strides_for
 
-from specpass.backends.lowering.eager import EagerStep
-from specpass.errors import InvalidParameterError
-from specpass.ir import copy_step
-from specpass.ir.query import cache_writes
+from .eager import EagerStep
+from ...common.errors import InvalidParameterError
+from ...ir import copy_step
+from ...ir.query import cache_writes
 
 
 class InductorStep(EagerStep):
     """`EagerStep`'s interface over the inductor-compiled graph (compiled lazily, at the first call)."""
 
-    # one-token calls get their own specialisation (a second compile of a minute or more), and a
+    # one-token calls get their own specialisation (a second, slow compile), and a
     # two-row step costs a GPU what a one-row step does: replayed buckets start at two tokens
     min_tokens = 2
     min_rows = 2  # the same for rows: a batch down to its last live row still replays two (capped at the cache's rows)
@@ -74,8 +61,9 @@ def require_cpp_compiler(lowering: str) -> None:
 def dense_row_major(value):
     """A tensor input as a dense tensor of its own with row-major strides (not a view, not expanded, no
     odd stride on a size-1 dimension): dynamo guards on all three, so a [1, T] slice of a longer row in
-    one call and a fresh tensor in the next would compile the step again (a minute on a CPU), and
-    AOT-compiled code reads its inputs so without checking. Other values pass as they are."""
+    one call and a fresh tensor in the next would compile the step again (docs/experiments.md, "A
+    compiled gguf step"), and AOT-compiled code reads its inputs so without checking. Other values
+    pass as they are."""
     if isinstance(value, torch.Tensor) and (
         value._base is not None or value.stride() != make_contiguous_strides_for(value.shape)
     ):

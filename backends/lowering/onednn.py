@@ -1,26 +1,20 @@
 """oneDNN lowering for CPUs: every float linear of the step reads weights packed once for oneDNN.
 
-Why. The invariant CPU linear (backends.kernels.linear) is oneDNN's; on the weight as it is it packs
-per call. Packed once into oneDNN's blocked layout, the skinny GEMMs of decoding (1..64 rows by each
-weight) run faster: measured on a 2-core AMD EPYC (AVX-512, torch 2.13, SmolLM2-135M, float32), the
-whole step cost 47 ms at T = 1 and 65 ms at T = 16 with `F.linear`, 23 ms and 31 ms packed (before
-the invariant kernels, docs/experiments.md). The packed and unpacked calls give the same bits.
-
-Rewrite. `backends.kernels.kernel_set.use_kernels` with a `packed` table: each linear becomes
-`rows_linear(x, packed_weight, bias, *row_bounds)`, the packed weights buffers of the lowered module (one per
-distinct weight tensor, so a tied LM head is packed once).
-
-Invariants. The packed weights are a copy, made once per weight per process and shared by every
-program (`packed_weight`; 540 MB for the default model in float32); packed again when the weight
-changes in place.
+The invariant CPU linear (backends.kernels.linear) is oneDNN's; on the weight as it is it packs per call,
+and the skinny GEMMs of decoding run faster on weights packed once into oneDNN's blocked layout
+(docs/experiments.md, "oneDNN"). The packed and unpacked calls give the same bits. Rewrite:
+`backends.kernels.kernel_set.use_kernels` with a `packed` table, each linear becoming
+`rows_linear(x, packed_weight, bias, *row_bounds)` on buffers of the lowered module, one per distinct
+weight (a tied LM head is packed once). The packed weights are a copy, made once per weight per process
+and shared by every program (`packed_weight`), and packed again when the weight changes in place.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specpass.backends.kernels.linear import available  # noqa: F401 (where the lowering applies)
-from specpass.backends.lowering.derived_cache import DerivedCache
+from ..kernels.linear import available  # noqa: F401 (where the lowering applies)
+from .derived_cache import DerivedCache
 
 _PACKED: DerivedCache[torch.Tensor] = DerivedCache()  # weight -> its packed form
 

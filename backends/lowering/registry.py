@@ -20,15 +20,15 @@ from typing import Protocol
 import torch
 import torch.fx
 
-from specpass.backends.kernels.kernel_set import use_kernels
-from specpass.backends.lowering import onednn
-from specpass.backends.lowering.draft_buckets import CudaGraphDraft
-from specpass.backends.lowering.eager import EagerStep
-from specpass.backends.lowering.fuse_projections import fuse_projections
-from specpass.backends.lowering.gguf import gguf_planes, pack_gguf_linears
-from specpass.errors import InvalidParameterError
-from specpass.ir.draft import draft_graph, draft_spec, resume_graph
-from specpass.ir.layout import RowsLayout
+from ..kernels.kernel_set import use_kernels
+from . import onednn
+from .draft_buckets import CudaGraphDraft
+from .eager import EagerStep
+from .fuse_projections import fuse_projections
+from .gguf import gguf_planes, pack_gguf_linears
+from ...common.errors import InvalidParameterError
+from ...ir.draft import draft_graph, draft_spec, resume_graph
+from ...ir.layout import SlotLayout
 
 
 class Step(Protocol):
@@ -40,7 +40,7 @@ class Step(Protocol):
     input_names: list[str]
     device: torch.device
 
-    def __call__(self, input_ids: torch.Tensor, layout: RowsLayout) -> tuple: ...
+    def __call__(self, input_ids: torch.Tensor, layout: SlotLayout) -> tuple: ...
 
     def run_graph(self, inputs: dict) -> tuple: ...
 
@@ -93,7 +93,7 @@ def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     rotary, residual adds and cache writes around the int4 GEMMs fused, no Python per op, one package on
     disk for every tree size. Attention and the linears without GGUF blocks are the kernel set's, as
     custom ops inside the package (on the weights as they are: inductor takes no oneDNN-packed ones)."""
-    from specpass.backends.lowering.aot_compiled import AotCompiledStep
+    from .aot_compiled import AotCompiledStep
 
     return AotCompiledStep(use_kernels(pack_gguf_linears(gm, ctx.planes), compiled=True), kind="gguf-compiled")
 
@@ -101,11 +101,11 @@ def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
 def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     """q|k|v and gate|up as one GEMM each (fewer kernels, backends.lowering.fuse_projections); replayed in CUDA
     graphs on CUDA."""
-    from specpass.backends.lowering.inductor import InductorStep
+    from .inductor import InductorStep
 
     if ctx.device.type != "cuda":  # the CPU kernel set's attention and linears as custom ops inside
         return InductorStep(use_kernels(fuse_projections(gm), compiled=True))
-    from specpass.backends.lowering.cudagraphs import CudaGraphStep
+    from .cudagraphs import CudaGraphStep
 
     return CudaGraphStep(InductorStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
 
@@ -113,7 +113,7 @@ def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
 def _cudagraphs(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     if ctx.device.type != "cuda":
         raise InvalidParameterError(f"lowering 'cudagraphs' needs the model on a CUDA device, it is on {ctx.device}")
-    from specpass.backends.lowering.cudagraphs import CudaGraphStep
+    from .cudagraphs import CudaGraphStep
 
     return CudaGraphStep(EagerStep(fuse_projections(gm)), max_nodes=ctx.max_nodes, cache_size=ctx.cache_size)
 
@@ -137,12 +137,11 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     graphs); on a CPU oneDNN where it runs the dtype (float32, bfloat16 where oneDNN has it), else eager.
 
     Why inductor on CUDA. A small model's GPU step is bound by kernel launches; inductor fuses each
-    layer's pointwise work, so its replays beat the FX step's at every tree size measured (SmolLM2-135M
-    bf16 on an H100: 1.18 against 2.64 ms a one-token replay), and end to end the combined tree runs at
-    1079 tok/s against 307 (bf16, H200, docs/experiments.md "GPU step"); both are lossless on the real
-    model on a GPU (tests/test_gpu.py). Its price is the compile at the first call, 35-90 s per program
-    (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step in CUDA graphs)
-    starts in seconds."""
+    layer's pointwise work, so its replays beat the FX step's at every tree size measured, and end to
+    end the combined tree runs faster (docs/experiments.md, "GPU step, 2026-11-26" and "GPU, 2026-11-26
+    (H200)"); both are lossless on the real model on a GPU (tests/test_gpu.py). Its price is the compile
+    at the first call (inductor's cache on disk shortens a later process's): `cudagraphs` (the FX step
+    in CUDA graphs) starts in seconds."""
     if lowering != AUTO:
         return lowering
     if device.type == "cuda":

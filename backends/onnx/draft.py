@@ -17,10 +17,10 @@ import os
 import torch
 import torch.fx
 
-from specpass.backends.onnx.ort import check_against_torch, ort_session, run_bound
-from specpass.errors import ExportError
-from specpass.ir.draft import ROWS, DraftGraphSpec, named_sizes, sample_inputs
-from specpass.passes import pass_type
+from .ort import check_against_torch, ort_session, run_bound
+from ...common.errors import ExportError
+from ...ir.draft import ROWS, DraftGraphSpec, named_sizes, sample_inputs
+from ...passes import pass_type
 
 DRAFT_FILE = "draft.onnx"
 

@@ -1,27 +1,20 @@
 """`specpass export`: the rewritten decode step as an ONNX model, checked with onnx.checker and on ORT.
 
-Pipeline: capture -> the pipeline's passes (verified after each) -> KV as inputs/outputs
-(`backends.onnx.kv_io`) -> `torch.onnx.export(..., dynamo=True)` -> save -> checks.
-
-Why the dynamo exporter: it exports from `torch.export`'s graph of the very FX module the passes
-produced, so the ONNX graph is the rewritten step itself (tree mask inputs, KV outputs, draft
-outputs), with the batch B, tree size T and cache length S as symbolic dimensions. The TorchScript
-exporter would re-trace through Python and is deprecated. The exporter's onnxscript optimizer is
-off (`optimize=False`): ORT optimizes the graph itself when it opens a session, and on the default
-model (2-core EPYC) the optimizer doubled the export (113.6 s against 57.5) for the same ORT step
-(T = 1: 35.8 against 36.3 ms; T = 64: 191.7 against 179.5 ms).
-
-Output directory: model.onnx (+ model.onnx.data when the weights are stored externally),
-draft.onnx when the pipeline adds draft heads (`backends.onnx.draft`), the files a pass's export hook
-adds (passes.export: KV eviction's observe.onnx and evict.onnx), pipeline.json, manifest.json
-(inputs, outputs, shapes, meaning, the check's result) and the tokenizer's files when a tokenizer
-is given. Everything is written to a hidden folder beside the output and renamed into place once
-checked, so an interrupted export never leaves a directory that looks complete.
+Capture -> the pipeline's passes (verified after each) -> KV as inputs and outputs (backends.onnx.kv_io)
+-> `torch.onnx.export(..., dynamo=True)` -> save -> checks. The dynamo exporter exports `torch.export`'s
+graph of the very FX module the passes produced, with B, T and S symbolic (the TorchScript exporter
+re-traces through Python and is deprecated). Its onnxscript optimizer is off (`optimize=False`): ORT
+optimizes the graph when it opens a session, and the optimizer made the export slower for no faster ORT
+step (docs/experiments.md, "ONNX export without onnxscript's optimizer"). The directory: model.onnx
+(+ .data), draft.onnx, the files a pass's export hook adds, pipeline.json, manifest.json and the
+tokenizer's files, written to a hidden folder beside the output and renamed into place once checked, so
+an interrupted export never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import logging
@@ -35,15 +28,15 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.backends.onnx.kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
-from specpass.backends.onnx.draft import export_draft
-from specpass.backends.onnx.ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, check_against_torch, ort_session
-from specpass.errors import ExportError, SpecpassError
-from specpass.ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
-from specpass.ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
-from specpass.passes import Pass, Pipeline
-from specpass.passes.export import ExportGraph, ExportHook
-from specpass.rewrites.kv_eviction import EVICTION_META
+from .kv_io import INPUTS, KV_OUTPUTS, QUERIES_OUTPUT, kv_as_io
+from .draft import export_draft
+from .ort import MANIFEST_VERSION, RELATIVE_TOLERANCE, TOLERANCE, check_against_torch, ort_session
+from ...common.errors import ExportError, SpecpassError
+from ...ir import ArchSpec, arch_of, arch_spec, capture, draft_graph, draft_spec
+from ...ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
+from ...passes import Pass, Pipeline
+from ...passes.export import ExportGraph, ExportHook
+from ...rewrites.kv_eviction import EVICTION_META
 
 EXTERNAL_DATA_BYTES = 1 << 30  # weights above this go to model.onnx.data
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -86,7 +79,7 @@ def export_hooks(pipeline: Pipeline, rewritten: torch.fx.GraphModule, dtype: tor
 
 
 def _exportable_types() -> list[type]:
-    from specpass.passes import known_passes
+    from ...passes import known_passes
 
     return [t for t in known_passes().values() if t.export_hook is not Pass.export_hook]
 
@@ -149,8 +142,11 @@ def export(
     to `out_dir` (see module docstring). The model's dtype (float32 or float16) is the exported dtype."""
     from tqdm.auto import tqdm
 
-    from specpass.backends.options import default_pipeline
+    from ..options import default_pipeline
 
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing and (check or missing != ["onnxruntime"]):  # onnxruntime runs the check only
+        raise ExportError(f"the ONNX export needs {' and '.join(missing)}: pip install 'specpass[onnx]'")
     pipeline = pipeline if pipeline is not None else default_pipeline(arch_spec(model))
 
     dtype = next(model.parameters()).dtype

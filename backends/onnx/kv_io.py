@@ -1,30 +1,15 @@
-"""KV as inputs and outputs: the functional form of a rewritten decode step, for export.
+"""KV as inputs and outputs: the functional form of a rewritten decode step, which the ONNX export
+(backends.onnx.export) hands to `torch.onnx.export(..., dynamo=True)`.
 
-The captured step owns a static KV cache and writes it in place (`write_cache` at the cache slots),
-which an ONNX graph cannot express without aliasing. This lowering rewrites a copy of the step so that
-
-    inputs   input_ids   [B, T]  int64     tokens to verify (a tree, a chain, or a prompt)
-             positions   [B, T]  int64     rotary positions (prefix length + depth for a tree)
-             past_keys   [L, B, KV, S, D]  cached keys of S slots (the runtime's cache buffer)
-             past_values [L, B, KV, S, D]  cached values
-             past_mask   [B, T, S] bool    past_mask[b, t, s]: token t attends to cached slot s
-             tree_mask   [B, T, T] bool    tree_mask[b, t, j]: token t attends to token j (ancestor or self)
-    outputs  logits      [B, T, V]
-             hidden      [B, T, H]         final normed hidden states
-             new_keys    [L, B, KV, T, D]  the T tokens' keys (after rotary), for the runtime to commit
-             new_values  [L, B, KV, T, D]
-             queries     [L, B, H, T, D]   a KV-eviction step only: the T tokens' queries (after rotary),
-                                           for the eviction graphs to score the accepted ones
-             ...                           any further outputs of the step (draft outputs), unchanged
-
-Rewrite. In every layer the cache write and the read of slots [0, kv_len) become
-`cat(past[layer], new, dim=2)`; the step's attention mask becomes the slot layout's functional
-encoding, `ir.layout.past_and_tree_visibility(past_mask, tree_mask)`. In a KV-eviction step each layer's
-`record_queries` op (a write into the step's query store) becomes the queries' output; the policy's
-state and graphs leave the step (`backends.onnx.eviction` exports them beside it).
-Everything else in the graph is untouched, so the logits of token t equal the cached step's logits
-when the cached step sees the same slots (tested). The runtime commits an accepted path by copying
-`new_keys[..., path, :]` into its cache: compaction without recompute, as in the PyTorch lowering.
+The captured step writes its static cache in place, which an ONNX graph cannot express without aliasing.
+`kv_as_io` rewrites a copy: in every layer the cache write and the read of slots [0, kv_len) become
+`cat(past[layer], new, dim=2)`, the mask becomes `ir.layout.past_and_tree_visibility(past_mask,
+tree_mask)`, and in a KV-eviction step each layer's `record_queries` becomes the `queries` output (the
+policy's graphs are exported beside the step by its export hook, rewrites.kv_eviction.export). Inputs
+INPUTS: input_ids, positions [B, T]; past_keys, past_values [L, B, KV, S, D]; past_mask [B, T, S]; tree_mask
+[B, T, T]. Outputs: logits, hidden, new_keys, new_values [L, B, KV, T, D], then queries [L, B, H, T, D] and
+the step's further outputs. A token's logits equal the cached step's when it sees the same slots (tested);
+the runtime commits an accepted path by copying its new K/V (compaction without recompute).
 """
 
 from __future__ import annotations
@@ -32,12 +17,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from specpass.errors import PassMismatchError
-from specpass.ir import copy_step, info, query
-from specpass.ir.layout import past_and_tree_visibility
-from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from specpass.ir.roles import Role, annotate, placeholder
-from specpass.rewrites.kv_eviction import ops as eviction_ops
+from ...common.errors import PassMismatchError
+from ...ir import copy_step, info, query
+from ...ir.layout import past_and_tree_visibility
+from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
+from ...ir.roles import Role, annotate, placeholder
+from ...rewrites.kv_eviction import ops as eviction_ops
 
 INPUTS = ("input_ids", "positions", "past_keys", "past_values", "past_mask", "tree_mask")
 KV_OUTPUTS = ("new_keys", "new_values")

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specpass.errors import DamagedFileError, ExportError, SpecpassError
+from ...common.errors import DamagedFileError, ExportError, SpecpassError
 
 MANIFEST_VERSION = 2  # 2: the draft graph's entry is its DraftGraphSpec (ir.draft)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on an export's check, or:
-# relative to the output's largest magnitude (float16: 4 units in the last place there; a 30-layer
-# model's float16 logits near 25 differ by 0.07 between ORT's and PyTorch's CPU kernels)
+# relative to the output's largest magnitude (float16: 4 units in the last place there; ORT's and PyTorch's
+# CPU kernels differ by more than the absolute bound on a 30-layer model: docs/experiments.md, "ONNX
+# Runtime's CUDA EP at last")
 RELATIVE_TOLERANCE = {torch.float32: 0.0, torch.float16: 4 * 2.0**-10}
 _NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32, torch.float16: np.float16}
 
@@ -26,14 +27,14 @@ def ort_session(onnx_path: str, device: torch.device, cuda_graphs: bool = False)
         import onnxruntime as ort
     except ImportError as exc:
         raise SpecpassError(
-            "the ONNX Runtime backend needs onnxruntime: pip install 'specpass[cpu]' (or 'specpass[gpu]' for CUDA)"
+            "the ONNX Runtime backend needs onnxruntime: pip install 'specpass[onnx]' (or 'specpass[onnx-gpu]' for CUDA)"
         ) from exc
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise SpecpassError("the CUDA EP is not available: install onnxruntime-gpu ('specpass[gpu]')")
+            raise SpecpassError("the CUDA EP is not available: install onnxruntime-gpu ('specpass[onnx-gpu]')")
         cuda = {"device_id": device.index or 0, "enable_cuda_graph": "1" if cuda_graphs else "0",
                 "use_tf32": "0"}  # float32 stays float32 (torch's default for matmuls too): exact greedy
         providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]

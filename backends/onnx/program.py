@@ -1,29 +1,13 @@
 """ONNX Runtime lowering: the decode loop drives a step exported by `specpass export` on an ORT session.
 
-KV cache. Two torch tensors [L, B, KV, S, D] (on the CPU, or on the GPU with the CUDA EP) are the
-step's `past_keys` / `past_values` inputs as they are: in row b, slots at and past that row's
-committed length are hidden by `past_mask` (the slot layout's prefix mask, `ir.layout`). S grows in
-buckets of KV_BUCKET slots (the buffer is reallocated and copied when the committed prefix outgrows
-it), so the step attends over at most KV_BUCKET - 1 spare slots.
-After a verify step `commit` copies the accepted path's entries of `new_keys` / `new_values` into
-consecutive slots: compaction without recompute, as in the PyTorch lowering. An export that evicts
-(rewrites.kv_eviction) has a fixed cache of the policy's `budget` slots: after each commit its
-observe.onnx scores the accepted tokens from the step's `queries` output, and its evict.onnx keeps
-the policy's slots when the cache is full (`backends.onnx.eviction`).
-
-Inputs and outputs are bound with IOBinding to torch tensors' memory: the KV cache never leaves the
-device and is never copied between steps. With `cuda_graphs=True` on the CUDA EP every input and
-output lives in a static buffer per (tree-size bucket, cache bucket), the tree padded by the
-PyTorch CUDA-graph lowering's own helper (`backends.lowering.buckets`), and ORT captures one CUDA graph per
-bucket (`gpu_graph_id`).
-
-Batches (`rows` > 1; one sequence is a batch of one, backends.runtime.decode). The export takes B as a dynamic axis; row b of the cache
-buffers is sequence b, laid out as alone (per-row offsets, as in the PyTorch lowering), and each row
-commits its own path. The buffers hold exactly the live rows, so IOBinding binds them as they are:
-when rows finish, `keep_rows` gathers the live ones into new, smaller buffers (once per finishing
-row, not per step), and the next batch's prefill allocates `rows` rows again. Not with
-`cuda_graphs=True` (its buckets are one row): refused for rows > 1. An evicting export runs its
-one-row policy graphs on each row's slices (backends.onnx.eviction).
+The KV cache is two torch tensors [L, B, KV, S, D] bound with IOBinding as the step's `past_keys` /
+`past_values` (never copied between steps); `past_mask` hides each row's slots past its committed length,
+S grows in buckets of KV_BUCKET slots, and `commit` copies each row's accepted path from `new_keys` /
+`new_values` into consecutive slots, as the PyTorch lowering compacts. Row b is sequence b; when rows
+finish, `keep_rows` gathers the live ones. The pipeline's passes give their runtime halves
+(`Pass.onnx_runtime_hook`: KV eviction runs its exported policy graphs after each commit), which open and
+run their sessions through this program. `cuda_graphs=True` (CUDA EP, one row) replays one ORT CUDA graph
+per (tree, cache) bucket.
 """
 
 from __future__ import annotations
@@ -33,19 +17,19 @@ from collections.abc import Sequence
 
 import torch
 
-from specpass.backends.lowering.buckets import KV_BUCKET, kv_bucket, pad_step, tree_bucket
-from specpass.backends.onnx.kv_io import KV_OUTPUTS, QUERIES_OUTPUT
-from specpass.backends.onnx.draft import OrtDraft
-from specpass.backends.onnx.eviction import OrtEviction
-from specpass.backends.onnx.ort import bind, ort_session, read_manifest, run_binding, run_bound
-from specpass.backends.runtime.invariance import check_invariance
-from specpass.backends.runtime.program import DecodeProgram
-from specpass.drafters import Drafter, default_drafter
-from specpass.errors import InvalidParameterError, SpecpassError
-from specpass.ir.draft import DRAFT_STATES
-from specpass.ir.layout import RowsLayout, SlotLayout
-from specpass.passes import Pipeline
-from specpass.rewrites.kv_eviction import KVEviction
+from ..lowering.buckets import KV_BUCKET, kv_bucket, tree_bucket
+from .kv_io import KV_OUTPUTS, QUERIES_OUTPUT
+from .draft import OrtDraft
+from .ort import bind, ort_session, read_manifest, run_binding, run_bound
+from ..runtime.generation import check_batch_size
+from ..runtime.invariance import check_invariance
+from ..runtime.program import DecodeProgram
+from ...drafters import Drafter, default_drafter
+from ...common.errors import InvalidParameterError, SpecpassError
+from ...ir.draft import DRAFT_STATES
+from ...ir.layout import SlotLayout
+from ...passes import Pipeline
+from ...passes.runtime import RuntimeHooks
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16}
 
@@ -75,13 +59,8 @@ class OrtProgram(DecodeProgram):
         if cache_size is not None and (not isinstance(cache_size, int) or cache_size < 2):
             raise InvalidParameterError(f"cache_size must be an int >= 2, got {cache_size!r}")
         self.manifest = read_manifest(directory)
+        self.directory = directory
         self.pipeline = Pipeline.from_dict(self.manifest["pipeline"])
-        policy = next((p for p in self.pipeline if isinstance(p, KVEviction)), None)
-        if policy is not None and cache_size not in (None, policy.budget):
-            raise InvalidParameterError(
-                f"this export evicts its KV cache to {policy.budget} slots ({policy.name}): its cache_size is that "
-                f"budget, fixed at export; got cache_size={cache_size}"
-            )
         self.verifies_trees = self.pipeline.verifies_trees()
         self.max_nodes = self.pipeline.largest_tree()
         if max_nodes is not None:
@@ -98,33 +77,46 @@ class OrtProgram(DecodeProgram):
             _check_batched_export(self.manifest, directory, cuda_graphs)
         self.rows = rows
         self.session = ort_session(os.path.join(directory, "model.onnx"), self.device, cuda_graphs)
-        self.cache_size = cache_size or (policy.budget if policy is not None else 2048)
+        self.dtype = _TORCH[self.manifest["dtype"]]
+        self.hooks = RuntimeHooks([hook for p in self.pipeline if (hook := p.onnx_runtime_hook(self)) is not None])
+        fixing = next((hook for hook in self.hooks if hook.fixed_cache is not None), None)  # an eviction's budget
+        self.fixed_cache = fixed = fixing.fixed_cache if fixing is not None else None
+        if fixed is not None and cache_size not in (None, fixed):
+            raise InvalidParameterError(f"this export {fixing}, fixed at export: its cache_size is that; "
+                                        f"got cache_size={cache_size}")  # fmt: skip
+        self.max_nodes = min(self.max_nodes, self.hooks.max_step or self.max_nodes)  # no tree larger than a step takes
+        self.cache_size = cache_size or fixed or 2048
         self.eos_token_ids = tuple(self.manifest["eos_token_ids"])
         self.vocab_size = int(self.manifest["vocab_size"])
         self.pad_token_id = self.manifest.get("pad_token_id")
-        self.dtype = _TORCH[self.manifest["dtype"]]
         if "draft" in self.manifest:
             self.draft = OrtDraft(directory, self.manifest["draft"], self.device, self.dtype)
         m = self.manifest
         declared = {output["name"] for output in m["outputs"]}
         self.states_name = DRAFT_STATES if DRAFT_STATES in declared else "hidden"  # what the drafters read
+        self.records_queries = QUERIES_OUTPUT in declared  # an evicting step's queries, for its policy
         self._kv_shape = (m["num_layers"], m["num_kv_heads"], m["head_dim"])
-        slots = KV_BUCKET if policy is None else policy.budget  # an evicting cache never grows
-        self.keys = self._zeros_cache(1, slots)  # [L, B, KV, S, D]: B live rows
-        self.values = self._zeros_cache(1, slots)
+        self.keys = self._zeros_cache(1, fixed or KV_BUCKET)  # [L, B, KV, S, D]: B live rows; a fixed cache never grows
+        self.values = self._zeros_cache(1, fixed or KV_BUCKET)
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.queries: torch.Tensor | None = None  # [L, 1, H, T, D]: the last step's, when the export evicts
-        if policy is not None:
-            self.use_hooks([OrtEviction(self, directory, m["eviction"], policy)])
+        self.queries: torch.Tensor | None = None  # [L, B, H, T, D]: the last step's, when the step records them
         self._graphs: dict[tuple[int, int], tuple] = {}  # CUDA graphs: bucket -> (inputs, outputs, binding)
         self.invariance = check_invariance(self)  # ORT's kernels are its own: measured and reported, not refused
-        self.new_sequence()
+        self.hooks.new_sequence()
 
     @property
     def report(self) -> str:
         """Whether the session computes one function (backends.runtime.invariance), as measured here."""
         verdict = "one function" if self.invariance.passed else "not one function (speculation may change the output)"
         return f"ONNX Runtime, {self.device.type} EP: {verdict}: {self.invariance}"
+
+    def open_session(self, name: str):
+        """An ORT session of the export's file `name` on this program's device (a runtime hook's graphs)."""
+        return ort_session(os.path.join(self.directory, name), self.device)
+
+    def run_session(self, session, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        """Run `session` with torch tensors bound as its inputs and outputs (written in place)."""
+        run_bound(session, self.device, inputs, outputs)
 
     def _zeros_cache(self, rows: int, slots: int) -> torch.Tensor:
         layers, heads, dim = self._kv_shape
@@ -136,7 +128,7 @@ class OrtProgram(DecodeProgram):
         have_rows, have = self.keys.shape[1], self.keys.shape[3]
         if have_rows != rows:
             self.keys, self.values = self._zeros_cache(rows, have), self._zeros_cache(rows, have)
-        if slots <= have or self.evicts:  # room() keeps an evicting step inside its budget
+        if slots <= have or self.fixed_cache is not None:  # the loop keeps a step inside a fixed cache
             return
         grown = kv_bucket(slots)
         for name in ("keys", "values"):
@@ -145,33 +137,26 @@ class OrtProgram(DecodeProgram):
             new[:, :, :, :have] = old
             setattr(self, name, new)
 
-    def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: SlotLayout) -> dict:
-        """The functional step's inputs (backends.onnx.kv_io) for input_ids / positions [1, T] laid out by `layout`."""
+    def _inputs(self, input_ids: torch.Tensor, layout: SlotLayout) -> dict:
+        """The functional step's inputs (backends.onnx.kv_io) for input_ids [B, T] laid out by `layout`."""
         return {
-            "input_ids": input_ids, "positions": positions, "past_keys": self.keys, "past_values": self.values,
-            "past_mask": layout.prefix_mask(self.keys.shape[3])[None], "tree_mask": layout.ancestors[None],
+            "input_ids": input_ids, "positions": layout.positions(), "past_keys": self.keys, "past_values": self.values,
+            "past_mask": layout.past_mask(self.keys.shape[3]), "tree_mask": layout.ancestors,
         }  # fmt: skip
 
-    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = len(layout.committed)
-        self.check_rows(batch)
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        check_batch_size(self, layout.rows)
         tokens, layout = tokens.to(self.device), layout.to(self.device)
-        self._reserve(batch, max(layout.committed) + 1)
-        if self.cuda_graphs:  # one row (rows > 1 is refused with cuda_graphs)
-            outputs = self._run_graph(tokens, layout.rows[0])
+        self._reserve(layout.rows, max(layout.committed) + 1)
+        if self.cuda_graphs:
+            outputs = self._run_graph(tokens, layout)
         else:
-            step = layout.step_inputs(tokens)
-            slots = torch.arange(self.keys.shape[3], device=self.device)  # [S]
-            committed = torch.tensor(layout.committed, device=self.device)  # [B]
-            past_mask = (slots[None, :] < committed[:, None])[:, None, :].expand(batch, layout.size, -1)  # [B, T, S]
-            inputs = {"input_ids": tokens, "positions": step["positions"], "past_keys": self.keys,
-                      "past_values": self.values, "past_mask": past_mask, "tree_mask": step["tree_mask"]}  # fmt: skip
-            outputs = self._run(inputs, layout.size)
+            outputs = self._run(self._inputs(tokens, layout), layout.size)
         self._new = (outputs["new_keys"], outputs["new_values"])
         self.queries = outputs.get(QUERIES_OUTPUT)
         return outputs["logits"], outputs[self.states_name]
 
-    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+    def compact(self, layout: SlotLayout, paths: list[list[int]]) -> None:
         """Copy each row's path from the last step's new_keys / new_values into its committed slots."""
         if self._new is None:
             raise SpecpassError("commit before any forward")
@@ -186,8 +171,7 @@ class OrtProgram(DecodeProgram):
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         index = torch.tensor(list(keep), device=self.device)
         self.keys, self.values = self.keys.index_select(1, index), self.values.index_select(1, index)
-        for hook in self.hooks:
-            hook.keep_rows(keep)
+        self.hooks.keep_rows(keep)
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
@@ -201,7 +185,7 @@ class OrtProgram(DecodeProgram):
             "new_keys": torch.empty(layers, batch, heads, t, dim, **kw),
             "new_values": torch.empty(layers, batch, heads, t, dim, **kw),
         }
-        if self.evicts:
+        if self.records_queries:
             outputs[QUERIES_OUTPUT] = torch.empty(layers, batch, m["num_heads"], t, dim, **kw)
         if self.states_name == DRAFT_STATES:
             outputs[DRAFT_STATES] = torch.empty(batch, t, m["hidden_size"], **kw)
@@ -218,9 +202,9 @@ class OrtProgram(DecodeProgram):
         import onnxruntime as ort
 
         tb = tree_bucket(layout.size)
-        key = (tb, self.keys.shape[3])
-        ids, positions, padded = pad_step(input_ids, layout, tb)
-        inputs = self._inputs(ids, positions, padded)
+        key = (tb, self.keys.shape[3])  # one row: rows > 1 is refused with cuda_graphs (_check_batched_export)
+        padded = layout.padded(tb, layout.rows)
+        inputs = self._inputs(padded.step_inputs(input_ids)["input_ids"], padded)
         if key not in self._graphs:
             static = {name: value.contiguous().clone() for name, value in inputs.items()}
             static["past_keys"], static["past_values"] = self.keys, self.values

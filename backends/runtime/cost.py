@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.ir.layout import SlotLayout
+from ...ir.layout import SlotLayout
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,10 @@ def measure(forward, device: torch.device, sizes: Sequence[int], kv_len: int = 2
 
     Each size runs once to warm up (oneDNN primitives, a CUDA graph's capture), then at least `repeats`
     times and until `min_seconds` have been timed: a CPU step takes tens of milliseconds and repeats
-    within a few percent, so the median of three suffices (the curve was 70 forwards per lowering
-    with two warm-ups and five runs: 18 s of a 22 s first call on the default model); a CUDA-graph
-    replay takes a few hundred microseconds, where five runs left the curve noisy on an H100 (12
-    nodes 2.4x one token, 64 nodes 1.5x), so it runs until 50 ms have passed. `clock`: seconds, for a
-    test to inject.
+    closely, so the median of three suffices (two warm-ups and five runs made most of the default
+    model's first call); a CUDA-graph replay takes a few hundred microseconds, where five runs left
+    the curve noisy on an H100 (docs/experiments.md, "Cost-curve timing on the GPU"), so it runs until
+    `min_seconds` have passed. `clock`: seconds, for a test to inject.
     """
     seconds = []
     for size in sizes:

@@ -1,25 +1,14 @@
 """The decode loop, for one sequence or a batch: draft each row's tree -> verify every row in one forward
 -> accept each row's longest path -> commit it in the row's own cache row.
 
-Layout: per-row offsets. Each sequence owns one row of the program's cache ([L, B, KV, S, D]) and lays
-out its tokens there exactly as it would alone (`ir.layout.SlotLayout`: committed prefix in slots
-[0, committed_b), its tree after it). A step's rows are padded to a common T (`ir.layout.RowsLayout`):
-a padding node sees only itself and is written past the row's committed prefix, where nothing reads
-it. Why not left padding: a row's accepted path varies in length, so a shared write position would
-leave a hole in every row but the longest each step and attention would read them all; with a row's
-own offset nothing is wasted and the row's cache is exactly the cache it would have alone. One
-sequence is a batch of one: there is no other loop.
-
-Per step: every row drafts its own tree (its own drafter sessions: prompt lookup over its own text;
-Token Recycling's successor table is the program's memory, shared by the rows as it is shared by
-successive generations); one T for all rows maximises the batch's expected tokens per second on the
-cost curve measured for forwards of all rows (so trees shrink as B grows); one forward verifies all
-rows; each row accepts its own path (`sequence.SequenceState`) and commits it in its own cache row
-only. A row that finishes (EOS, length, stop, cache) leaves the batch: the rows after it move up one
-cache row, so the next forwards run only the live rows.
-
-Invariant. A row's tokens equal that sequence decoded alone with the same choice (greedy, or sampling
-keyed by its seed and position): its logits depend only on its own cache row and tokens.
+Each sequence owns one row of the program's cache and lays out its tokens there exactly as alone
+(`ir.layout.SlotLayout`); a step's rows are padded to one T, a padding node
+seeing only itself, written where nothing reads it (per-row offsets, not left padding: docs/design.md,
+"Layout: per-row offsets"). Each step the rows draft their trees; one T for all rows maximises the
+batch's expected tokens per second on the cost curve for forwards of all rows; one forward verifies; each
+row accepts and commits its own path. A finished row (EOS, length, stop, cache) leaves the batch and the
+rows after it move up. One sequence is a batch of one. Invariant: a row's tokens equal that sequence
+decoded alone with the same choice (greedy, or sampling keyed by its seed and position).
 """
 
 from __future__ import annotations
@@ -29,16 +18,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from specpass.backends.runtime.acceptance import accept_rows
-from specpass.backends.runtime.generation import BatchGeneration, check_rows, padded_sequences
-from specpass.backends.runtime.guard import one_generation_at_a_time
-from specpass.backends.runtime.program import DecodeProgram
-from specpass.backends.runtime.sampling import TargetChoice
-from specpass.backends.runtime.sequence import CacheCursor, SequenceState
-from specpass.drafters import RootsOnly, RowsDrafting, VerifiedRows, rows_drafting
-from specpass.drafters.tree_rows import TreeRows, first_branches
-from specpass.errors import InvalidParameterError
-from specpass.ir.layout import RowsLayout
+from .acceptance import accept_rows
+from .generation import BatchGeneration, check_request, padded_sequences
+from .guard import one_generation_at_a_time
+from .program import DecodeProgram
+from .sampling import TargetChoice
+from .sequence import CacheCursor, SequenceState
+from ...drafters import RootsOnly, RowsDrafting, VerifiedRows, rows_drafting
+from ...drafters.tree_rows import TreeRows, first_branches
+from ...common.errors import InvalidParameterError
+from ...ir.layout import SlotLayout
 
 PREFILL_LOGITS_BYTES = 256 * 2**20  # a prefill forward's float32 logits [B, T, V] stay within this
 MIN_DRAFTED = 4  # the fewest nodes a row drafts under the cost budget (the tree grows from there by doubling)
@@ -68,8 +57,7 @@ def generate(
     step's accepted tokens [n] as they are accepted, `end()` once the row ends. Plain greedy takes its
     choice from the top-k the drafters get anyway (no second pass over the logits).
     """
-    program.check_rows(len(prompts))
-    check_rows(prompts, max_new_tokens, program.cache_size, program.vocab_size, program.evicts)
+    check_request(prompts, max_new_tokens, program)
     if streamer is not None and len(prompts) != 1:
         raise InvalidParameterError(f"a streamer follows one sequence (Hugging Face's streamers take batch 1); "
                                     f"got {len(prompts)} prompts")  # fmt: skip
@@ -112,10 +100,10 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
     last_step = started
     while live:
         step_started = last_step = time.perf_counter()
-        room = min(program.room(s.cursor.cached) for s in live)  # the most tokens any row's step may take
+        room = min(_room(program, s.cursor.cached) for s in live)  # the most tokens any row's step may take
         if room < 1:  # a row at the end of its cache ends; the others go on
             for s in live:
-                if program.room(s.cursor.cached) < 1:
+                if _room(program, s.cursor.cached) < 1:
                     s.end("cache_full")
             live = _retire(program, live, drafting)
             continue
@@ -124,15 +112,12 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
         if not program.verifies_trees:
             trees = first_branches(trees)
         size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
-        trees = trees.prefix(min(program.agreed_size(size), room))  # every process of a sharded program: rank 0's size
-        layout = RowsLayout(tuple(s.cursor.cached for s in live), torch.from_numpy(trees.ancestors),
+        trees = trees.prefix(min(program.hooks.agreed_size(size), room))  # every process of a sharded program: rank 0's
+        layout = SlotLayout(tuple(s.cursor.cached for s in live), torch.from_numpy(trees.ancestors),
                             tuple(trees.sizes.tolist()), tuple(s.cursor.seen - s.cursor.cached for s in live))  # fmt: skip
-        states = drafting.precomputed(trees) if program.resumes_from_exit else None
-        if states is not None:  # every row's tree is its self-draft chain: resume above the exit
-            logits, hidden = program.forward_from_exit(states, layout)  # [B, T, V], [B, T, H]
-        else:
-            logits, hidden = program.forward(torch.from_numpy(trees.tokens), layout)  # [B, T, V], [B, T, H]
-        paths, verified = _accept(live, trees, logits, hidden, top_k, states is not None)
+        tokens = torch.from_numpy(trees.tokens)  # [B, T]
+        logits, hidden, resumed = program.verify(tokens, layout, drafting.precomputed(trees))  # [B, T, V], [B, T, H]
+        paths, verified = _accept(live, trees, logits, hidden, top_k, resumed)
         committed = program.commit(layout, paths)
         drafting.observe(trees, verified, paths, histories)  # histories end at each tree's root until advance
         tree_tokens, choices, sizes = trees.tokens.tolist(), verified.choices.tolist(), trees.sizes.tolist()
@@ -199,13 +184,13 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
     slot, not committed). Yields each forward's logits [B, T, V], hidden [B, T, H] and each row's
     number of real tokens in it (0: padding only). A first forward drops per-sequence cache state."""
     if all(c.seen == 0 for c in cursors):
-        program.new_sequence()
+        program.hooks.new_sequence()
     fed = [0] * len(prompts)
     while any(f < len(p) for f, p in zip(fed, prompts)):
         # every row's step is padded to the longest: no row may take more than the tightest room
-        cap = max(1, min(piece, *(program.room(c.cached) for c in cursors)))
+        cap = max(1, min(piece, *(_room(program, c.cached) for c in cursors)))
         counts = [min(cap, len(p) - f) for p, f in zip(prompts, fed)]
-        layout = RowsLayout.of([c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
+        layout = SlotLayout.of([c.layout(torch.ones(max(n, 1), max(n, 1), dtype=torch.bool).tril())
                                 for c, n in zip(cursors, counts)])  # fmt: skip
         tokens = layout.pad_tokens([torch.tensor(list(p[f : f + max(n, 0)]) or [0], dtype=torch.long)
                                     for p, f, n in zip(prompts, fed, counts)])  # fmt: skip  [B, T]
@@ -235,10 +220,18 @@ def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> R
                 last[b] = logits[b, n - 1 : n]  # [1, V]
     drafter = program.drafter
     prefills = [s.start(torch.cat(topks[b]), torch.cat(hiddens[b]), last[b], drafter.draws) for b, s in enumerate(seqs)]
-    if program.one_node:  # one-node trees: nothing to draft
+    if program.max_nodes == 1 or program.budget == 1:  # one-node trees: nothing to draft
         return RootsOnly()
     seeds = [s.choice.sampling.seed for s in seqs]
-    return rows_drafting(drafter, prompts, prefills, program.drafter_memory, program.draft, seeds, program.drafting_row)
+    return rows_drafting(drafter, prompts, prefills, program.drafter_memory, program.draft, seeds,
+                         program.hooks.drafting_row)  # fmt: skip
+
+
+def _room(program: DecodeProgram, cached: int) -> int:
+    """The most tokens a row's next forward may take with `cached` slots committed: its cache's room, or
+    less where a hook bounds a step (an evicting cache: what one eviction frees)."""
+    room = program.cache_size - cached
+    return room if program.hooks.max_step is None else min(room, program.hooks.max_step)
 
 
 def _shared_size(curve, trees: TreeRows, overhead: float) -> int:

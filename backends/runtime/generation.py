@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.errors import CacheCapacityError, InvalidParameterError
+from ...common.errors import CacheCapacityError, InvalidParameterError
 
 
 @dataclass(frozen=True)
@@ -112,23 +112,37 @@ def prompts_from(input_ids: object, attention_mask: object = None) -> list[list[
     return prompts
 
 
-def check_rows(prompts: Sequence[Sequence[int]], max_new_tokens: int, cache_size: int | None = None,
-               vocab_size: int | None = None, evicts: bool = False) -> None:  # fmt: skip
-    """What can be wrong with a request: checked before anything is built (the sizes, when given, once
-    the program is; an evicting cache takes a prompt of any length, in pieces)."""
+def check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, program=None) -> None:
+    """What can be wrong with a request: checked before anything is built, and again against the program
+    (backends.runtime.program.DecodeProgram) once there is one: its rows, vocabulary and cache (an
+    evicting cache takes a prompt of any length, in pieces)."""
     if not prompts:
         raise InvalidParameterError("the batch is empty: give at least one prompt")
     check_max_new_tokens(max_new_tokens)
+    if program is not None:
+        check_batch_size(program, len(prompts))
     for b, prompt in enumerate(prompts):
         row = "the prompt" if len(prompts) == 1 else f"row {b}'s prompt"
         if len(prompt) == 0:
             raise InvalidParameterError(f"{row} is empty: give at least one token")
-        bad = [t for t in prompt if vocab_size is not None and not 0 <= t < vocab_size]
+        if program is None:
+            continue
+        bad = [t for t in prompt if not 0 <= t < program.vocab_size]
         if bad:
-            raise InvalidParameterError(f"{row}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
-        if cache_size is not None and len(prompt) > cache_size and not evicts:
-            raise CacheCapacityError(f"{row} has {len(prompt)} tokens but the KV cache holds {cache_size}; "
+            raise InvalidParameterError(f"{row}: token id {bad[0]} is outside the model's vocabulary "
+                                        f"[0, {program.vocab_size})")  # fmt: skip
+        if len(prompt) > program.cache_size and program.hooks.max_step is None:
+            raise CacheCapacityError(f"{row} has {len(prompt)} tokens but the KV cache holds {program.cache_size}; "
                                      "compile with a larger options['cache_size']")  # fmt: skip
+
+
+def check_batch_size(program, rows: int) -> None:
+    """Raise InvalidParameterError when a batch of `rows` sequences cannot run on `program`."""
+    if rows > program.rows:
+        raise InvalidParameterError(
+            f"batch size {rows}: this {type(program).__name__} holds {program.rows} sequence(s); build it with "
+            f"rows >= {rows} (specpass.compile_program(model, options, rows=...), load_onnx(directory, rows=...))"
+        )
 
 
 def padded_sequences(prompts: Sequence[Sequence[int]], new_tokens: Sequence[Sequence[int]], pad: int) -> torch.Tensor:

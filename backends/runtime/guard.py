@@ -1,17 +1,12 @@
 """What keeps a program exact across calls: one generation at a time, and the weights it was built from.
 
-A program's state (the static KV cache, the cursor, the drafter's memory, CUDA-graph buffers) belongs
-to the one generation running on it. `ProgramGuard.in_use()` holds the program's lock for a whole
-generation, so calls from several threads on one program run one after another, each giving its own
-exact output; programs of different models or options run at once.
-
-A lowered program keeps packed copies of some weights (fused projections, oneDNN's prepacked
-matrices, GGUF blocks) and reads others from the model as they are now. `WeightsFingerprint` records
-every parameter and buffer of the model when the program is built: the tensor object (a weak
-reference), its storage address and its version counter (`Tensor._version`, bumped by every in-place
-write: an optimizer step, `copy_`, `load_state_dict`, `mul_`). A program whose model no longer
-matches is rebuilt (`program.program_for`) or refused (a program passed in directly), never run on a
-mix of old and new weights.
+A program's state (the static KV cache, the cursors, the drafter's memory, CUDA-graph buffers) belongs to
+the generation running on it: `ProgramGuard.in_use()` holds the program's lock for a whole generation, so
+calls from several threads on one program run one after another, each exact. A lowered program keeps
+copies of some weights and reads others from the model as they are now: `WeightsFingerprint` records
+every parameter and buffer at build time (a weak reference, its storage address and its version counter,
+which every in-place write bumps), and a program whose model no longer matches is rebuilt
+(`program.program_for`) or refused (a program passed in directly), never run on a mix of weights.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-from specpass.errors import StaleProgramError
+from ...common.errors import StaleProgramError
 
 
 class WeightsFingerprint:
@@ -53,8 +48,8 @@ class WeightsFingerprint:
 
 
 def _tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer, module by module (~0.4 ms for the default model, a fifth of what
-    `named_parameters` takes: no names are built)."""
+    """Every parameter and buffer, module by module: faster than `named_parameters`, which builds
+    names (measured: docs/experiments.md, "A program's state across calls")."""
     found, stack = [], [model]
     while stack:
         module = stack.pop()

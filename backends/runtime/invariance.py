@@ -1,20 +1,14 @@
 """The build-time check that a program computes one function: a token's logits (and the K/V it writes)
 come out bit for bit the same whatever else its step holds.
 
-What it runs, through the program's own `forward` and `compact` (the commit's compaction, without
-the rewrites' hooks) on its own cache, with random tokens (row 0 unless said):
-
-    pieces  a prompt fed as one forward, in two pieces, and its last tokens one at a time: logits
-            and the committed cache entries
-    tree    a random tree over that prompt; each of some nodes (the root, the deepest, others) against
-            the same token decoded alone: the tree verified, the node's ancestors committed into
-            consecutive slots, then a one-token forward
-    rows    (programs of several rows) two prompts of other lengths prefilled and verified together,
-            each row against the same prompt and tree alone
-
-and compares with `torch.equal`: no tolerance. A lowering whose kernels depend on the rest of the call
-fails here (tests/test_invariance.py injects one). The check leaves the cache's contents undefined; a
-generation's prefill overwrites what it reads.
+Through the program's own `forward` and `compact` (the commit's compaction, without the rewrites' hooks)
+on its own cache, with random tokens: a prompt fed whole, in two pieces and its last tokens one at a time
+(logits, committed cache entries); a random tree over it, some nodes each against the same token decoded
+alone (ancestors committed into consecutive slots, then a one-token forward); for programs of several
+rows, two prompts of other lengths prefilled and verified together against each alone. Compared with
+`torch.equal`, no tolerance: a lowering whose kernels depend on the rest of the call fails
+(tests/test_invariance.py injects one). The check leaves the cache's contents undefined; a generation's
+prefill overwrites what it reads.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.ir.layout import RowsLayout, SlotLayout
+from ...ir.layout import SlotLayout
 
 PROMPT = 45  # tokens of the first prompt (odd, and large enough that elementwise ops split it over threads)
 OTHER_PROMPT = 6  # of the second row's prompt
@@ -66,7 +60,8 @@ def check_invariance(program, seed: int = 0) -> InvarianceCheck:
 class _Runner:
     def __init__(self, program, gen: torch.Generator):
         self.program, self.gen = program, gen
-        room = program.cache_size if program.max_step is None else min(program.cache_size, program.max_step)
+        step = program.hooks.max_step
+        room = program.cache_size if step is None else min(program.cache_size, step)
         self.prompt = min(PROMPT, max(2, program.cache_size // 3), room)
         self.nodes = max(1, min(TREE_NODES, program.max_nodes, room, program.cache_size - self.prompt))
         self.tokens = self._tokens(self.prompt)
@@ -86,11 +81,11 @@ class _Runner:
         return [-1] + [i - 1 if draws[i] % 2 else draws[i] // 2 % i for i in range(1, n)]
 
     def forward(self, tokens: list[torch.Tensor], rows: list[SlotLayout]) -> torch.Tensor:
-        layout = RowsLayout.of(rows)
+        layout = SlotLayout.of(rows)
         return self.program.forward(layout.pad_tokens(tokens), layout)[0].cpu()  # [B, T, V]
 
     def commit(self, rows: list[SlotLayout], paths: list[list[int]]) -> None:
-        self.program.compact(RowsLayout.of(rows), paths)
+        self.program.compact(SlotLayout.of(rows), paths)
 
     def committed_cache(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(c[:, 0, :, :slots].cpu() for c in self.program.kv_buffers())
@@ -125,7 +120,7 @@ class _Runner:
         c, n = self.prompt, self.nodes
         layout = _tree_layout(c, self.parents)
         logits = self.forward([self.tree_tokens], [layout])[0]  # [N, V]
-        depths = (layout.ancestors.sum(-1) - 1).tolist()
+        depths = (layout.ancestors[0].sum(-1) - 1).tolist()
         deepest = max(range(n), key=depths.__getitem__)
         picks = sorted({0, deepest, *torch.randperm(n, generator=self.gen)[: ALONE_NODES - 2].tolist()})
         for node in picks:
@@ -166,7 +161,7 @@ def _tree_layout(committed: int, parents: list[int]) -> SlotLayout:
         if p >= 0:
             ancestors[i] = ancestors[p]
         ancestors[i, i] = True
-    return SlotLayout(committed, ancestors)
+    return SlotLayout.tree(committed, ancestors)
 
 
 def _path(parents: list[int], node: int) -> list[int]:

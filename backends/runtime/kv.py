@@ -9,7 +9,7 @@ import torch
 
 def compact(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, src: torch.Tensor,
             dst: torch.Tensor) -> None:  # fmt: skip
-    """Copy slot src[i] to slot dst[i] of cache row rows[i] ([N] int64 each, as `ir.layout.RowsLayout.moves`
+    """Copy slot src[i] to slot dst[i] of cache row rows[i] ([N] int64 each, as `ir.layout.SlotLayout.moves`
     lists an accepted path's moves), in every layer of both caches ([L, B, KV, S, D]); no recompute,
     entries of other rows are not touched. Sources are gathered before any slot is written."""
     for cache in (k_cache, v_cache):

@@ -1,32 +1,14 @@
 """The multi-candidate rule: lossless acceptance of drafts drawn from known draft distributions.
 
-When a node's children x_1, x_2, ... were drawn from a draft law q without replacement, in that
-order (drafters.Heads with a temperature; tree.Drawn), the target's processed distribution p at
-the node is sampled exactly by recursive rejection (SpecInfer's multi-step speculative sampling, in
-the without-replacement form of Recursive Speculative Decoding, Jeon et al. 2024):
-
-    for x_i in draw order:
-        accept x_i with probability min(1, p(x_i) / q(x_i))       -> descend to x_i's node
-        otherwise  p <- normalize(max(p - q, 0))                    (p(x_i) becomes 0)
-                   q <- normalize(q with x_i removed)              (the law x_{i+1} was drawn from)
-    if no child was accepted: emit a sample of p (the last residual)
-
-Each accept-or-continue step turns p into itself (the speculative sampling lemma), so the token
-that leaves the node follows p whatever q was, however many children there are, and the decision to
-try one more child may depend on anything already drawn, only not on the child itself: the builder
-keeps a prefix of each node's draws (tree.Drawn). Applied at every node along the walk, the emitted
-tokens follow the target's processed autoregressive distribution. A token with p > 0 and q = 0 can
-only come out of the residual; a child is tried at most once.
-
-Unlike sample-and-match with keyed noise (backends.runtime.sampling), the tokens are not those of
-non-speculative sampling with the same seed: the rule is proven by distribution tests
-(tests/test_multi_candidate.py). It accepts more: one drawn child is accepted with probability
-sum_v min(p, q)(v), against sum_v p(v) q(v) for sample-and-match. The tokens depend on the tree, so
-a run repeats for a seed only when the trees do: with a fixed budget (`budget=N`), not with the cost
-budget, whose tree sizes follow measured timings.
-
-Numerics: p and q are float64 on the host. A residual that rounds to zero mass (p = q up to
-rounding) keeps the previous p with the rejected tokens removed.
+When a node's children x_1, x_2, ... were drawn from a draft law q without replacement, in that order
+(tree.Drawn), the target's processed law p is sampled exactly by recursive rejection (SpecInfer; the
+without-replacement form of Recursive Speculative Decoding): accept x_i with probability
+min(1, p(x_i) / q(x_i)); else p <- normalize(max(p - q, 0)) and q <- q without x_i, normalized; if no
+child is accepted, sample the last residual. The token leaving a node follows p whatever q was, provided
+the decision to try another child never depends on that child (the builder keeps a prefix of draws).
+The tokens are not those of non-speculative sampling with the same seed: the rule is proven by
+distribution tests (tests/test_multi_candidate.py). p and q are float64 on the host; a residual that
+rounds to zero mass keeps the previous p with the rejected tokens removed.
 """
 
 from __future__ import annotations
@@ -36,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from specpass.drafters.tree import DraftTree
+from ...drafters.tree import DraftTree
 
 
 NodeLaw = Callable[[int], np.ndarray]  # node -> the target's processed distribution after it, [V] float64

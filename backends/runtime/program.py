@@ -6,31 +6,30 @@ KV cache; `backends.onnx.program.OrtProgram` is the same step exported to ONNX a
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from specpass.backends.runtime import cost
-from specpass.backends.compile import specpass_backend
-from specpass.backends.kernels.kernel_set import kernel_set
-from specpass.backends.runtime.guard import ProgramGuard
-from specpass.backends.runtime.invariance import InvarianceCheck, check_invariance
-from specpass.backends.runtime.kv import compact, keep_rows
-from specpass.backends.lowering.registry import LOWERINGS
-from specpass.backends.options import CompileOptions, check_budget
-from specpass.drafters import Drafter
-from specpass.errors import InvalidParameterError
-from specpass.passes import PassReport
-from specpass.passes.runtime import RuntimeHook
-from specpass.ir import DraftGraphSpec, RowsLayout, SlotLayout, capture, draft_spec
-from specpass.ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
-from specpass.ir.split import EXIT_HIDDEN
+from . import cost
+from ..compile import specpass_backend
+from ..kernels.kernel_set import kernel_set
+from .generation import check_batch_size
+from .guard import ProgramGuard
+from .invariance import InvarianceCheck, check_invariance
+from .kv import compact, keep_rows
+from ..lowering.registry import LOWERINGS
+from ..options import CompileOptions, check_budget
+from ...drafters import Drafter
+from ...common.errors import InvalidParameterError
+from ...passes import PassReport
+from ...passes.runtime import RuntimeHooks
+from ...ir import DraftGraphSpec, SlotLayout, capture, draft_spec
+from ...ir.draft import DRAFT_STATES, STEP_OUTPUTS_META
 
 COST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # interpolated between: a step's cost is near linear in T
 # Per process, by what they depend on (`step_signature`): a lowered step's kernels and shapes, not its
@@ -84,11 +83,10 @@ class DecodeProgram(ABC):
 
     Subclasses set: device, cache_size (KV slots), max_nodes (largest tree), verifies_trees (False:
     draft chains only), eos_token_ids, vocab_size (token ids the embedding takes), rows (sequences
-    its cache holds), and implement `forward`, `compact`, `keep_rows` and `kv_buffers`. Every call is
-    over rows: one sequence is a batch of one (backends.runtime.decode). A rewrite's runtime half is one of the program's `hooks`
-    (passes.runtime.RuntimeHook: an eviction's scoring after each commit, tensor parallelism's
-    lockstep), composed here so the loop never asks which rewrites ran.
-    budget: "cost" (tree size from the measured cost curve, per step) or a fixed number of nodes.
+    its cache holds), hooks (the rewrites' runtime halves, passes.runtime.RuntimeHooks), and implement
+    `forward`, `compact`, `keep_rows` and `kv_buffers`. Every call is over rows: one sequence is a batch
+    of one (backends.runtime.decode). budget: "cost" (tree size from the measured cost curve, per step)
+    or a fixed number of nodes.
     """
 
     device: torch.device
@@ -109,19 +107,10 @@ class DecodeProgram(ABC):
     rows = 1  # sequences the program's cache holds (row b of a batch in cache row b)
     pad_token_id: int | None = None  # the model's pad token, when it has one (a batch's output padding)
     draft = None  # the draft graph (ir.draft) as a callable, when the pipeline has one
-    hooks: tuple[RuntimeHook, ...] = ()  # the rewrites' runtime halves, in pipeline order
-    max_step: int | None = None  # the most tokens one forward may take (the hooks' tightest limit; None: the cache's room)
-    resumes_from_exit = False  # True: `forward_from_exit` verifies a chain the early-exit draft ran
-
-    def agreed_size(self, size: int) -> int:
-        """The tree size every process of the program verifies this step (a timing-based choice is
-        one process's in a tensor-parallel program; see rewrites.lockstep)."""
-        for hook in self.hooks:
-            size = hook.agreed_size(size)
-        return size
+    hooks: RuntimeHooks = RuntimeHooks()  # the rewrites' runtime halves, in pipeline order
 
     @abstractmethod
-    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """One verify forward of B rows' steps: tokens [B, T] int64 (layout.pad_tokens) laid out by
         `layout` (row b in cache row b; each ancestor mask a chain's when the program does not verify
         trees); returns logits [B, T, V] and the states the drafters read, hidden [B, T, H] (the final
@@ -129,77 +118,41 @@ class DecodeProgram(ABC):
         features), on the program's device (padding nodes' outputs are meaningless). Tokens and layout
         may be on the host (what the decode loop passes) or on that device."""
 
-    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verify tokens whose layers below the early exit already ran in their slots (their states after
-        those layers: exit_hidden [B, T, H], padding nodes' arbitrary); returns what `forward` does."""
-        raise NotImplementedError(f"{type(self).__name__} has no resume graph")
+    def verify(self, tokens: torch.Tensor, layout: SlotLayout, precomputed: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, bool]:  # fmt: skip
+        """`forward`, or a hook's run of it from states the drafters computed for every node
+        (precomputed [B, T, H], RowsDrafting.precomputed: a self-draft's, rewrites.exit_resume); returns
+        logits, hidden and whether a hook ran it."""
+        if precomputed is not None:
+            resumed = self.hooks.resumed_forward(layout, precomputed)
+            if resumed is not None:
+                return (*resumed, True)
+        return (*self.forward(tokens, layout), False)
 
-    def commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]]) -> list[int]:
+    def commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]]) -> list[int]:
         """Keep each row's accepted path (node indices, root first) in consecutive slots of its own cache
         row, from its committed length on; the other rows' caches are not touched. Returns how many
         slots of each row hold committed tokens now (fewer after an eviction)."""
         paths = [list(path) for path in paths]
         self.compact(layout, paths)
         committed = [c + len(path) for c, path in zip(layout.committed, paths, strict=True)]
-        for hook in self.hooks:
-            committed = hook.after_commit(layout, paths, committed)
-        return committed
+        return self.hooks.after_commit(layout, paths, committed)
 
     @abstractmethod
-    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+    def compact(self, layout: SlotLayout, paths: list[list[int]]) -> None:
         """Move each row's path's K/V into slots committed_b, committed_b + 1, ... of its cache row."""
 
     @abstractmethod
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
-        """Move the cache rows `keep` (ascending) to rows 0, 1, ... (their first `slots` slots): what
-        the next forwards of len(keep) rows read, once the other rows' sequences ended."""
-
-    def drafting_row(self, row: int) -> contextlib.AbstractContextManager:
-        """Inside the block, a cache-sharing draft graph (EarlyExit / LayerSkip) drafts for cache row
-        `row` (a batch's rows draft one after another). No-op for programs without one."""
-        return contextlib.nullcontext()
-
-    def check_rows(self, rows: int) -> None:
-        """Raise InvalidParameterError when a batch of `rows` sequences cannot run on this program."""
-        if rows > self.rows:
-            raise InvalidParameterError(
-                f"batch size {rows}: this {type(self).__name__} holds {self.rows} sequence(s); build it with "
-                f"rows >= {rows} (specpass.compile_program(model, options, rows=...), load_onnx(directory, rows=...))"
-            )
+        """Move the cache rows `keep` (ascending) to rows 0, 1, ... (their first `slots` slots), the hooks'
+        per-row state with them: what the next forwards of len(keep) rows read, once the other rows'
+        sequences ended."""
 
     def measured_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward a cost curve times: tokens [T] laid out by `layout` in every row of the program;
-        returns row 0's logits [T, V], hidden [T, H]."""
-        logits, hidden = self.forward(tokens[None].expand(self.rows, -1), RowsLayout.of((layout,) * self.rows))
+        """The forward a cost curve times: tokens [T] laid out by `layout` (one row) in every row of the
+        program; returns row 0's logits [T, V], hidden [T, H]."""
+        logits, hidden = self.forward(tokens[None].expand(self.rows, -1), SlotLayout.of((layout,) * self.rows))
         return logits[0], hidden[0]
-
-    @property
-    def one_node(self) -> bool:
-        """Every step verifies one node (max_nodes or a fixed budget of 1): the loop drafts nothing."""
-        return self.max_nodes == 1 or self.budget == 1
-
-    @property
-    def evicts(self) -> bool:
-        """A step takes a bounded number of tokens (an evicting cache: prompts of any length, in pieces)."""
-        return self.max_step is not None
-
-    def room(self, cached: int) -> int:
-        """The most tokens the next forward may take with `cached` slots committed."""
-        room = self.cache_size - cached
-        return room if self.max_step is None else min(room, self.max_step)
-
-    def use_hooks(self, hooks: Sequence[RuntimeHook]) -> None:
-        """Run `hooks` around every step; no tree is larger than a step may take."""
-        self.hooks = tuple(hooks)
-        limits = [hook.max_step for hook in self.hooks if hook.max_step is not None]
-        self.max_step = min(limits) if limits else None  # read by room() for every row of every step
-        if self.max_step is not None:
-            self.max_nodes = min(self.max_nodes, self.max_step)
-
-    def new_sequence(self) -> None:
-        """Called before a batch's first forward: drop per-sequence state (eviction scores)."""
-        for hook in self.hooks:
-            hook.new_sequence()
 
     @abstractmethod
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,8 +160,7 @@ class DecodeProgram(ABC):
 
     def cache_bytes(self) -> int:
         """Bytes of the tensors allocated for the KV cache and the eviction state, read from the tensors."""
-        kv = sum(c.numel() * c.element_size() for c in self.kv_buffers())
-        return kv + sum(hook.state_bytes() for hook in self.hooks)
+        return sum(c.numel() * c.element_size() for c in self.kv_buffers()) + self.hooks.state_bytes()
 
     def forget(self) -> None:
         """Drop what the drafter learned in earlier generations (Token Recycling's successor table)."""
@@ -227,7 +179,11 @@ class DecodeProgram(ABC):
         return self._cost
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
-        return cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
+        """The curve over `sizes`; with hooks that fix the measurement (every rank alike), the agreed one."""
+        if not self.hooks.fixed_measurement:
+            return cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
+        curve = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
+        return cost.CostCurve(curve.sizes, self.hooks.agreed_seconds(curve.seconds))
 
 
 class SpeculativeProgram(DecodeProgram):
@@ -237,7 +193,7 @@ class SpeculativeProgram(DecodeProgram):
     one forward, commits each row's path in its own cache row and measures its cost curve on forwards
     of all its rows, T tokens each. Several rows run on the eager, oneDNN, inductor and CUDA-graph
     lowerings (the replayed graphs are bucketed by rows too, backends.lowering.cudagraphs), with every drafter
-    (a cache-sharing draft graph drafts each row in its own cache row: `drafting_row`), with KV
+    (a cache-sharing draft graph drafts each row in its own cache row: rewrites.exit_resume), with KV
     eviction (each row its own budget and policy state) and with tensor parallelism; not with the
     GGUF kernels: refused with the reason.
     """
@@ -262,15 +218,15 @@ class SpeculativeProgram(DecodeProgram):
         self.max_nodes = self.step.max_nodes
         if self.step.draft is not None:
             self.draft = LoweredDraft(self.step.draft.run_graph, draft_spec(gm))
-        self.resumes_from_exit = self.step.resume is not None
         self.states_output = gm.meta.get(STEP_OUTPUTS_META, {}).get(DRAFT_STATES, 1)  # what the drafters read
-        self.use_hooks([hook for p in self.pipeline if (hook := p.runtime_hook(gm)) is not None])
+        self.hooks = RuntimeHooks([hook for p in self.pipeline if (hook := p.runtime_hook(self.step)) is not None])
+        self.max_nodes = min(self.max_nodes, self.hooks.max_step or self.max_nodes)  # no tree larger than a step takes
         if rows > 1:
-            self._check_rows()
+            self._check_batchable()
         self.report = self._check_one_function()
         self.guard = ProgramGuard(model)  # and the weights it was built from, checked on every call
 
-    def _check_rows(self) -> None:
+    def _check_batchable(self) -> None:
         """Refuse what a program of several rows does not run (see the class docstring)."""
         kinds = set(self.step.run.kinds)
         reasons = []
@@ -278,7 +234,7 @@ class SpeculativeProgram(DecodeProgram):
         if not kinds <= batched:
             reasons.append(f"the {'/'.join(sorted(kinds - batched))} lowering (use lowering='auto', or one of "
                            f"{', '.join(sorted(batched))})")  # fmt: skip
-        reasons += [hook.batch_refusal for hook in self.hooks if hook.batch_refusal is not None]
+        reasons += [self.hooks.batch_refusal] if self.hooks.batch_refusal is not None else []
         if reasons:
             raise InvalidParameterError(f"batch size {self.rows} (more than one sequence) does not run with "
                                         f"{'; '.join(reasons)}; generate those one sequence at a time")  # fmt: skip
@@ -294,7 +250,7 @@ class SpeculativeProgram(DecodeProgram):
         check = _CHECKED.get(key)
         if check is None:
             check = _CHECKED[key] = check_invariance(self)
-            self.new_sequence()
+            self.hooks.new_sequence()
         if not check.passed:
             raise InvalidParameterError(
                 f"lowering {lowering!r} does not compute one function on this machine (a token's logits depend on "
@@ -302,55 +258,29 @@ class SpeculativeProgram(DecodeProgram):
             )
         return ProgramReport(self.step.report, lowering, kernels.name, check)
 
-    def forward(self, tokens: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        self.check_rows(len(layout.committed))
+    def forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        check_batch_size(self, layout.rows)
         outputs = self.step(tokens, layout)
         return outputs[0], outputs[self.states_output]  # [B, T, V], [B, T, H]
 
-    def forward_from_exit(self, exit_hidden: torch.Tensor, layout: RowsLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        self.check_rows(len(layout.committed))
-        ids = torch.zeros(exit_hidden.shape[:2], dtype=torch.long, device=self.device)  # [B, T]: the resume graph reads none
-        inputs = layout.to(self.device).step_inputs(ids) | {EXIT_HIDDEN: exit_hidden}  # exit_hidden [B, T, H]
-        logits, hidden = self.step.resume.run_graph(inputs)[:2]  # [B, T, V], [B, T, H]
-        return logits, hidden
-
-    def compact(self, layout: RowsLayout, paths: list[list[int]]) -> None:
+    def compact(self, layout: SlotLayout, paths: list[list[int]]) -> None:
         rows, src, dst = layout.moves(paths)
         if src:
             compact(self.k_cache, self.v_cache, *(torch.tensor(x, device=self.device) for x in (rows, src, dst)))
 
     def keep_rows(self, keep: Sequence[int], slots: int) -> None:
         keep_rows(self.k_cache, self.v_cache, keep, slots)
-        for hook in self.hooks:
-            hook.keep_rows(keep)
-
-    @contextlib.contextmanager
-    def drafting_row(self, row: int) -> Iterator[None]:
-        """The draft graph's cache buffers are cache row `row`'s views [L, 1, KV, S, D] inside the block:
-        its one-token calls write and read that sequence's K/V (ir.draft: the graph owns references to
-        the step's cache tensors, so views of them write through)."""
-        draft = self.step.draft.gm if self.resumes_from_exit and self.rows > 1 else None
-        if draft is None:
-            yield
-            return
-        draft.k_cache, draft.v_cache = self.k_cache[:, row : row + 1], self.v_cache[:, row : row + 1]
-        try:
-            yield
-        finally:
-            draft.k_cache, draft.v_cache = self.k_cache, self.v_cache
+        self.hooks.keep_rows(keep)
 
     def measure_cost(self, sizes: Sequence[int], kv_len: int) -> cost.CostCurve:
-        """The step's curve; with hooks that fix the measurement (every rank alike), the agreed one."""
-        if not any(hook.fixed_measurement for hook in self.hooks):
-            key = (step_signature(self), tuple(sizes), kv_len)
-            if key not in _MEASURED_CURVES:
-                _MEASURED_CURVES[key] = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len)
-            return _MEASURED_CURVES[key]
-        curve = cost.measure(self.measured_forward, self.device, sizes, kv_len=kv_len, min_seconds=0.0)
-        seconds = curve.seconds
-        for hook in self.hooks:
-            seconds = hook.agreed_seconds(seconds)
-        return cost.CostCurve(curve.sizes, seconds)
+        """Measured once per process for every program of the same step (`step_signature`), unless the
+        hooks fix the measurement (every rank alike)."""
+        if self.hooks.fixed_measurement:
+            return super().measure_cost(sizes, kv_len)
+        key = (step_signature(self), tuple(sizes), kv_len)
+        if key not in _MEASURED_CURVES:
+            _MEASURED_CURVES[key] = super().measure_cost(sizes, kv_len)
+        return _MEASURED_CURVES[key]
 
     def kv_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_cache, self.v_cache

@@ -1,25 +1,13 @@
 """The target's choice after each verified token: greedy or sampled, after logits processors.
 
-Speculative decoding is lossless when the token the target *chooses* after a node depends only on
-that node's prefix, never on what else was drafted. Greedy choice (argmax) has that property. For
-sampling, specpass makes it hold too: the choice at absolute position n is
-
-    argmax_v( processed_logits[v] + G_n[v] ),   G_n = Gumbel noise keyed by (seed, n)
-
-(the Gumbel-max trick: an exact sample from softmax(processed_logits)). Each position's noise is
-drawn from its own counter-keyed generator, independent of every other position, so a sequence is a
-sample from the processed autoregressive distribution; and since all nodes of a tree at the same
-depth predict the same position, they share one noise vector, and the tokens the target picks
-along the accepted path are exactly the tokens non-speculative sampling with the same seed picks.
-Acceptance is then sample-and-match: descend to the child equal to the target's choice (the lossless
-rule for drafts without draft probabilities). Drafts drawn from a known draft law (drafters.Heads with
-a temperature) are accepted by the multi-candidate rule instead (backends.runtime.multi_candidate), which
-accepts more but emits tokens of its own: `Sampling.acceptance="match"` keeps sample-and-match for
-them too, and with it the equality to non-speculative sampling.
-
-Logits processors (temperature, top-k, top-p, min-p, and Hugging Face's processors such as the
-repetition penalty) are applied to each node with that node's own prefix: nodes are grouped by depth
-(equal prefix lengths) and each group is processed as one batch.
+Speculation is lossless when the target's choice after a node depends only on that node's prefix. When
+sampling, the choice at absolute position n is argmax_v(processed_logits[v] + G_n[v]), G_n Gumbel noise
+keyed by (seed, n): an exact sample of softmax(processed_logits) (Gumbel-max), independent between
+positions. The nodes of a tree at one depth predict one position and share its noise, so the accepted
+tokens are those non-speculative sampling with the same seed picks. Acceptance is then sample-and-match;
+drafts drawn from a known law are accepted by the multi-candidate rule (backends.runtime.multi_candidate)
+unless `Sampling.acceptance="match"`. Logits processors (temperature, top-k, top-p, min-p, HF's own) are
+applied to each node with its own prefix: nodes grouped by depth, each group processed as one batch.
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.errors import InvalidParameterError
+from ...common.errors import InvalidParameterError
 
 _MASK64 = (1 << 64) - 1
 ACCEPTANCE = ("auto", "match")
@@ -98,8 +86,8 @@ class Sampling:
 class TopP:
     """Nucleus filtering as Hugging Face's TopPLogitsWarper defines it (keep the likeliest tokens until
     the mass before the next one reaches top_p; at least one token), computed on each row's top-K
-    instead of a sort of the whole vocabulary: 0.3 ms instead of 31 ms for 16 x 49152 logits on 2 CPU
-    cores. A row whose top-K holds less than top_p of the mass falls back to the full sort."""
+    instead of a sort of the whole vocabulary (measured: docs/experiments.md, "Keyed-noise sampling").
+    A row whose top-K holds less than top_p of the mass falls back to the full sort."""
 
     def __init__(self, top_p: float, candidates: int = 1024):
         self.top_p = top_p
@@ -147,8 +135,8 @@ def position_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
 
 class KeyedNoise:
     """position_noise of one seed, the most recent `keep` positions kept: a decode step asks for the
-    positions its tree reaches, and the next step for most of them again (0.25 ms each for the
-    default model's 49152 tokens on a CPU core)."""
+    positions its tree reaches, and the next step for most of them again (the cost of one:
+    docs/experiments.md, "Keyed-noise sampling")."""
 
     def __init__(self, seed: int, keep: int = 64):
         self.seed = seed

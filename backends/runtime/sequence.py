@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specpass.backends.runtime.generation import GenerationStats
-from specpass.backends.runtime.multi_candidate import accept_drawn, node_laws
-from specpass.backends.runtime.sampling import TargetChoice
-from specpass.drafters import DraftTree, TargetForward
-from specpass.ir.layout import SlotLayout
+from .generation import GenerationStats
+from .multi_candidate import accept_drawn, node_laws
+from .sampling import TargetChoice
+from ...drafters import DraftTree, TargetForward
+from ...ir.layout import SlotLayout
 
 
 @dataclass
@@ -29,7 +29,7 @@ class CacheCursor:
     seen: int = 0
 
     def layout(self, ancestors: torch.Tensor) -> SlotLayout:
-        return SlotLayout(self.cached, ancestors, evicted=self.seen - self.cached)
+        return SlotLayout.tree(self.cached, ancestors, evicted=self.seen - self.cached)
 
     def advance(self, cached: int, accepted: int) -> None:
         """After a commit of `accepted` tokens that left `cached` slots committed (fewer after an eviction)."""

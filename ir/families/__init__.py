@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from specpass.errors import UnsupportedArchitectureError
-from specpass.ir.families import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
-from specpass.ir.families.base import AttentionParts, Block, Family, LayerParts, ModelParts, Rotary, Scalars
+from ...common.errors import UnsupportedArchitectureError
+from . import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
+from .base import AttentionParts, Block, Family, LayerParts, ModelParts, Rotary, Scalars
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,

@@ -1,20 +1,11 @@
 """What a model family tells the capture, as data: how its decoder block differs from Llama's.
 
-Every supported family is a pre-norm rotary decoder. What differs between them is small and is
-described here, never written as another copy of the step:
-
-* `Block` names the HF attributes of a layer's norms and where they sit (before attention, on the
-  attention output, before the MLP, on the MLP output), whether q/k/v come from one fused projection,
-  and whether queries and keys are normed per head or over the whole projection;
-* `Scalars` names the config attributes of the family's multipliers (embedding, residual, logits).
-
-Everything else is read from the HF modules themselves, the same way for every family
-(`decoder_parts`): each layer's softmax scale (`self_attn.scaling`), attention-logit soft-capping
-(`self_attn.attn_logit_softcapping`), whether it uses rotary at all (`self_attn.use_rope`), its
-sliding window (`config.layer_types`, or `config.sliding_window` for every layer of a family that
-says so), and its rotary table (one per layer type where the rotary embedding keeps one per type).
-`ir.decode_step` builds the static-cache step from the `ModelParts` this returns and never reaches
-into a model's attribute names itself.
+Every supported family is a pre-norm rotary decoder. `Block` names the HF attributes of a layer's norms
+by where they sit, a fused q/k/v projection, and q/k norms per head or over the whole projection;
+`Scalars` names the config attributes of its multipliers (embedding, residual, logits). Everything else
+is read from the HF modules the same way for every family (`decoder_parts`: softmax scale, soft-capping,
+rotary or not, sliding window, the rotary table per layer type), and ir.decode_step builds the step from
+the `ModelParts` returned, never reaching into a model's attribute names itself.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ interleaved with global ones (`config.layer_types`)."""
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Block, Family, Scalars
+from .base import Block, Family, Scalars
 
 GEMMA_BLOCK = Block(
     attention_norm="input_layernorm",

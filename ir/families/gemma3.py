@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specpass.ir.families.base import Family, Scalars
-from specpass.ir.families.gemma2 import GEMMA_BLOCK
+from .base import Family, Scalars
+from .gemma2 import GEMMA_BLOCK
 
 FAMILY = Family(
     name="gemma3",

@@ -4,7 +4,7 @@ sub-layer's output times `residual_multiplier`, the softmax scale `attention_mul
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Family, Scalars
+from .base import Family, Scalars
 
 FAMILY = Family(
     name="granite",

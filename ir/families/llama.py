@@ -4,6 +4,6 @@ MLP, full attention on every layer. Llama 3.x rope scaling lives in HF's rotary 
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Family
+from .base import Family
 
 FAMILY = Family(name="llama", architectures=("LlamaForCausalLM",), modeling_module="transformers.models.llama.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Family
+from .base import Family
 
 FAMILY = Family(
     name="mistral",

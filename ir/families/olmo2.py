@@ -4,7 +4,7 @@ whole projection (all heads at once) before rotary."""
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Block, Family
+from .base import Block, Family
 
 FAMILY = Family(
     name="olmo2",

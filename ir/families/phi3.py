@@ -5,7 +5,7 @@ scaling is exact up to the original context length (past it HF switches tables m
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Block, Family
+from .base import Block, Family
 
 FAMILY = Family(
     name="phi3",

@@ -3,6 +3,6 @@ layers from `max_window_layers` on attend through a sliding window (`config.laye
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Family
+from .base import Family
 
 FAMILY = Family(name="qwen2", architectures=("Qwen2ForCausalLM",), modeling_module="transformers.models.qwen2.")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Block, Family
+from .base import Block, Family
 
 FAMILY = Family(
     name="qwen3",

@@ -4,6 +4,6 @@ Qwen2 when the config turns them on."""
 
 from __future__ import annotations
 
-from specpass.ir.families.base import Family
+from .base import Family
 
 FAMILY = Family(name="smollm3", architectures=("SmolLM3ForCausalLM",), modeling_module="transformers.models.smollm3.")

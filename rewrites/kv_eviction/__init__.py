@@ -1,7 +1,7 @@
 """KV-cache eviction as graph rewrites (lossy, opt-in): base.py states the semantics every policy
 shares, policies.py the policies, ops.py the eviction graphs, scores.py their tensor math."""
 
-from specpass.rewrites.kv_eviction.base import EVICTION_META, KV_EVICTION, KVEviction
-from specpass.rewrites.kv_eviction.policies import A2SF, H2O, TOVA, Keyformer, SinksWindow, SnapKV
+from .base import EVICTION_META, KV_EVICTION, KVEviction
+from .policies import A2SF, H2O, TOVA, Keyformer, SinksWindow, SnapKV
 
 __all__ = ["A2SF", "EVICTION_META", "H2O", "KV_EVICTION", "TOVA", "KVEviction", "Keyformer", "SinksWindow", "SnapKV"]

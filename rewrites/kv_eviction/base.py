@@ -1,32 +1,15 @@
 """KV-cache eviction as a graph rewrite: the pass every policy (policies.py) shares.
 
-Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer.
+Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer. The cache holds at most `budget` tokens
+per layer and KV head (the K/V buffers are cut to `budget` slots); when the committed tokens fill it, the
+policy keeps `kept = budget - chunk` and the next `chunk` tokens fill the freed slots. Evicting in chunks
+puts evictions at fixed token counts, so any split of the input into steps gives the same cache and
+speculation changes nothing of its own. Keys keep their original rotary positions, so evicting a token
+is exactly hiding it from attention. Scores come from committed tokens only.
 
-Semantics (the model a policy defines). The cache holds at most `budget` tokens per layer and KV
-head: the K/V buffers are cut to `budget` slots, so memory really falls. Tokens are committed in
-order; when the committed tokens fill all `budget` slots, the policy keeps `kept = budget - chunk`
-of them (per layer, and per KV head where it ranks per head) and the next tokens fill the freed
-`chunk` slots. A token sees exactly the tokens kept when it was processed, itself included. Scores
-come from committed tokens only: each accepted token's attention over the slots it saw.
-
-Why evict `chunk` tokens at once rather than one per token: evictions then happen at fixed token
-counts, so any split of the input into steps gives the same cache. A prompt fed in pieces, a draft
-tree of up to `chunk` nodes verified in one forward, or one token at a time all see what the
-token-by-token model sees (the decode loop never lets a step run past a full cache). So speculation
-adds no change of its own: its greedy output equals this policy's plain greedy output.
-
-Positions. A cached key keeps the rotary of its original position (the step applies rotary before
-the cache write), and new tokens get their original positions (`SlotLayout.evicted`): evicting a
-token is then exactly hiding it from attention, keys need no re-rotation, and a budget at least
-the sequence length gives the full-cache model token for token. (StreamingLLM re-indexes positions
-inside the cache to run past the trained context; within it, original positions are exact.)
-
-Rewrite. Cuts `k_cache` / `v_cache` to `budget` slots, adds the policy's state buffers, inserts
-before each layer's attention an op that keeps the step's queries (`ops.record_queries`), and adds
-the side graphs `kv_observe` and `kv_evict` (ops.py), which the program runs after each commit.
-Refused: a second eviction pass, sliding-window or soft-capped attention (the scores would need the
-window's or cap's own rule), an early-exit step (its draft writes queries one token at a time), a
-sharded step.
+Rewrite: cut the caches, add the policy's state buffers, record each layer's queries
+(`ops.record_queries`) and add the side graphs `kv_observe` / `kv_evict` (ops.py), run after each commit.
+Refused: a second eviction pass, sliding-window or soft-capped attention, an early-exit step, a sharded step.
 """
 
 from __future__ import annotations
@@ -37,13 +20,13 @@ from typing import ClassVar
 import torch
 import torch.fx
 
-from specpass.errors import GraphVerificationError, InvalidParameterError
-from specpass.ir import arch_of, model_parts, query
-from specpass.ir.draft import resume_graph
-from specpass.ir.roles import Role, annotate
-from specpass.passes.base import CAPTURED, Pass, PassResult
-from specpass.rewrites.kv_eviction import ops
-from specpass.rewrites.tree_attention import TREE_ATTENTION
+from ...common.errors import GraphVerificationError, InvalidParameterError
+from ...ir import arch_of, model_parts, query
+from ...ir.draft import resume_graph
+from ...ir.roles import Role, annotate
+from ...passes.base import CAPTURED, Pass, PassResult
+from . import ops
+from ..tree_attention import TREE_ATTENTION
 
 KV_EVICTION = "kv_eviction"
 EVICTION_META = "specpass_eviction"  # gm.meta key holding the eviction pass that rewrote the step
@@ -159,15 +142,21 @@ class KVEviction(Pass):
                    f"{layers} layers; policy state {state_bytes / 2**20:.2f} MiB")  # fmt: skip
         return PassResult(gm, True, summary)
 
-    def runtime_hook(self, gm: torch.fx.GraphModule):
+    def runtime_hook(self, step):
         """The policy's graphs run after each commit (rewrites.kv_eviction.runtime.GraphEviction)."""
-        from specpass.rewrites.kv_eviction.runtime import GraphEviction
+        from .runtime import GraphEviction
 
-        return GraphEviction(gm, gm.meta[EVICTION_META])
+        return GraphEviction(step.graph_module, step.graph_module.meta[EVICTION_META])
+
+    def onnx_runtime_hook(self, program):
+        """The exported policy graphs run on ORT after each commit (rewrites.kv_eviction.onnx_runtime)."""
+        from .onnx_runtime import OrtEviction
+
+        return OrtEviction(program, self)
 
     def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype):
         """The policy's graphs beside the exported step (rewrites.kv_eviction.export)."""
-        from specpass.rewrites.kv_eviction.export import eviction_export
+        from .export import eviction_export
 
         return eviction_export(gm.meta[EVICTION_META], attention_scales(gm), arch, dtype)
 

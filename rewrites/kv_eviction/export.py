@@ -1,21 +1,13 @@
 """A KV-eviction step's export hook: its policy's two graphs, to run beside the exported step.
 
-    observe.onnx  inputs   queries     [L, B, H, n, D]   the accepted tokens' queries (rows of the step's
-                                                         `queries` output, backends.onnx.kv_io)
-                           keys        [L, B, KV, S, D]  the cache after the commit (S = the budget)
-                           first_slot  [] int64          the accepted tokens are in slots first_slot ..
-                           positions   [n] int64         their rotary positions (Keyformer's noise)
-                           scores      [L, B, KV, S]     float32 per-slot scores (score-based policies)
-                           window      [L, B, H, W, D]   the last W tokens' queries (SnapKV)
-                  outputs  new_scores, new_window (those the policy has; none: no observe.onnx)
-    evict.onnx    inputs   keys, values [L, B, KV, S, D], scores, window (those the policy has)
-                  outputs  kept_keys, kept_values, kept_scores: the kept slots first, in sequence order
-
-Both graphs are `ops.observed` / `ops.evicted`, the functions the PyTorch lowering's in-place
-eviction graphs run, so a policy keeps the same slots on ONNX Runtime as in PyTorch up to float
-rounding. They are exported for one row (B = 1); a runtime runs them on each row's slices
-(backends.onnx.eviction.OrtEviction). The manifest entry "eviction" names the files and the state's
-shapes.
+observe.onnx: inputs queries [L, B, H, n, D] (the accepted tokens' rows of the step's `queries` output),
+keys [L, B, KV, S, D] (the cache after the commit, S = the budget), first_slot [] and positions [n]
+int64, and the state the policy has (scores [L, B, KV, S] float32; window [L, B, H, W, D] for SnapKV);
+outputs new_scores / new_window (a policy without state has no observe.onnx). evict.onnx: keys, values
+and the state -> kept_keys, kept_values, kept_scores, the kept slots first, in sequence order. Both are
+`ops.observed` / `ops.evicted`, the functions the PyTorch eviction graphs run, so ORT keeps the same
+slots up to float rounding. They are exported for one row; a runtime runs them on each row's slices
+(rewrites.kv_eviction.onnx_runtime.OrtEviction). The manifest entry "eviction" names the files and state shapes.
 """
 
 from __future__ import annotations
@@ -23,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specpass.passes.export import ExportGraph, ExportHook
-from specpass.rewrites.kv_eviction.ops import evicted, observed
+from ...passes.export import ExportGraph, ExportHook
+from .ops import evicted, observed
 
 OBSERVE_FILE, EVICT_FILE = "observe.onnx", "evict.onnx"
 MANIFEST_KEY = "eviction"

@@ -1,26 +1,14 @@
-"""The eviction graphs a KV-eviction pass adds beside the verify step: `kv_observe` scores the
-accepted tokens, `kv_evict` keeps the budget. Both are plain torch modules traced into FX graphs
-(`trace`), sharing the step's cache buffers and the policy's state buffers:
-
-    k_cache, v_cache   [L, B, KV, budget, D]    the step's cache, cut to `budget` slots
-    kv_queries         [L, B, H, R, D]          queries of the step's tokens (written by the verify step;
-                                                R = chunk rounded up to a power of two, for padded replays)
-    kv_scores          [L, B, KV, budget]       float32 per-slot scores (score-based policies)
-    kv_window_queries  [L, B, H, window, D]     queries of the last `window` committed tokens (SnapKV)
-
-`kv_observe(rows, first_slot, positions)` runs after the accepted path was compacted into slots
-first_slot .. first_slot + n - 1: rows [n] are the path's node indices in the verified step (the
-rows of kv_queries), positions [n] their rotary positions; each accepted token's attention over
-the slots it saw updates the scores (the policy's `update`). Rejected nodes never reach it.
-
-`kv_evict()` runs when the cache is full (committed == budget): per layer (and per KV head, where
-the policy ranks per head) it keeps `budget - chunk` slots, the policy's protected slots and then
-its highest priorities, gathers their K, V and scores into slots [0, kept) in sequence order, and
-zeroes the rest of the scores.
-
-The math of both is a pure function (`observed`, `evicted`: tensors in, new tensors out): the graphs
-here call it and copy its results into the step's buffers; the ONNX export exports it as it is
-(backends.onnx.eviction), so every lowering keeps the same slots.
+"""The eviction graphs a KV-eviction pass adds beside the verify step: plain torch modules traced into FX
+(`trace`), sharing the step's cache (k_cache, v_cache [L, B, KV, budget, D]) and the policy's state:
+kv_queries [L, B, H, R, D] (the step's queries, written by the verify step; R = chunk rounded up to a
+power of two, for padded replays), kv_scores [L, B, KV, budget] (float32) and kv_window_queries
+[L, B, H, window, D] (SnapKV). `kv_observe(rows, first_slot, positions)` runs after the accepted path
+was compacted into slots first_slot ..: each accepted token's attention over the slots it saw updates
+the scores; rejected nodes never reach it. `kv_evict()` runs when the cache is full: per layer (and KV
+head, where the policy ranks per head) it keeps `budget - chunk` slots, the protected ones, then the
+highest priorities, in sequence order in slots [0, kept), and zeroes the rest of the scores. Their math
+is pure functions (`observed`, `evicted`), which the graphs call and copy into the buffers and the ONNX
+export exports as they are (rewrites.kv_eviction.export), so every lowering keeps the same slots.
 """
 
 from __future__ import annotations
@@ -29,9 +17,9 @@ import torch
 import torch.fx
 from torch import nn
 
-from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from specpass.ir.roles import Role, annotate
-from specpass.rewrites.kv_eviction.scores import accepted_attention, gumbel_noise, keep_slots
+from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
+from ...ir.roles import Role, annotate
+from .scores import accepted_attention, gumbel_noise, keep_slots
 
 QUERIES = "kv_queries"
 SCORES = "kv_scores"

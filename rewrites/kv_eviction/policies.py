@@ -1,17 +1,15 @@
-"""The eviction policies: each a KVEviction pass (base.py) that says which slots it protects, how an
-accepted token's attention updates its scores, and how it ranks slots when the cache is full.
+"""The eviction policies, each a KVEviction pass (base.py) saying which slots it protects, how an accepted
+token's attention updates its scores and how it ranks slots when the cache is full. Defaults follow the
+papers (H2O: half heavy hitters, half recent; SnapKV: pooling kernel 5); Keyformer's temperature is fixed.
 
 | policy | keeps | ranks | paper |
 | --- | --- | --- | --- |
 | `SinksWindow` | the first `sinks` tokens and the most recent ones | by position only | StreamingLLM |
 | `H2O` | a recent window, then the heavy hitters | accumulated attention, per KV head | H2O |
-| `A2SF` | a recent window (none by default), then the best | attention accumulated with a forgetting factor, per KV head | A2SF |
+| `A2SF` | a recent window (none by default), then the best | attention with a forgetting factor, per KV head | A2SF |
 | `TOVA` | the best | the last token's attention, averaged over the layer's heads | TOVA |
-| `SnapKV` | the observation window, then the best | the window's attention, pooled over neighbours, per KV head | SnapKV |
+| `SnapKV` | the observation window, then the best | the window's attention, pooled, per KV head | SnapKV |
 | `Keyformer` | a recent window, then the key tokens | accumulated Gumbel-softmax attention, per KV head | Keyformer |
-
-Defaults follow the papers where they state one (H2O: half heavy hitters, half recent; SnapKV:
-pooling kernel 5). Keyformer's temperature is held fixed (the paper ramps it over the generation).
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specpass.errors import InvalidParameterError
-from specpass.rewrites.kv_eviction.base import KVEviction, check_int
-from specpass.rewrites.kv_eviction.scores import decayed_sum, pooled
+from ...common.errors import InvalidParameterError
+from .base import KVEviction, check_int
+from .scores import decayed_sum, pooled
 
 
 def _recent(slots: int, count: int) -> torch.Tensor:

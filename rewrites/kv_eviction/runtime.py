@@ -2,7 +2,8 @@
 row's cache is evicted when its tokens fill it; each row has its own budget and its own policy state,
 so a row's tokens are the tokens that sequence has alone under the same policy. `GraphEviction` runs
 the step's own in-place graphs (PyTorch lowerings) on one row at a time (views of the row's cache and
-state); `backends.onnx.eviction.OrtEviction` runs the exported ones on ORT (one sequence)."""
+state); `onnx_runtime.OrtEviction` runs the exported graphs on ORT, for a batch row by row (they are
+exported for one row: each row's slices are copied to contiguous tensors and back)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from specpass.ir.layout import RowsLayout
-from specpass.passes.runtime import RuntimeHook
-from specpass.rewrites.kv_eviction.ops import QUERIES, SCORES, WINDOW_QUERIES
+from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
+from ...ir.layout import SlotLayout
+from ...passes.runtime import RuntimeHook
+from .ops import QUERIES, SCORES, WINDOW_QUERIES
 
 PER_ROW = ("k_cache", "v_cache", SCORES, QUERIES, WINDOW_QUERIES)  # buffers with a row axis (axis 1)
 KEPT_ACROSS_STEPS = (SCORES, WINDOW_QUERIES)  # per-row state that must follow its row in keep_rows
@@ -32,6 +33,14 @@ class Eviction(RuntimeHook):
     def max_step(self) -> int:
         """No step takes more tokens than an eviction frees (the policy's chunk)."""
         return self.policy.chunk
+
+    @property
+    def fixed_cache(self) -> int:
+        """A sequence's cache is the policy's budget."""
+        return self.policy.budget
+
+    def __str__(self) -> str:
+        return f"evicts its KV cache to {self.policy.budget} slots ({self.policy.name})"
 
     @abstractmethod
     def observe(self, rows: torch.Tensor, first_slot: int, positions: torch.Tensor) -> None:
@@ -53,17 +62,17 @@ class Eviction(RuntimeHook):
         """Inside the block, `observe` and `evict` act on row b alone (one-row programs: a no-op)."""
         return contextlib.nullcontext()
 
-    def after_commit(self, layout: RowsLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
+    def after_commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
         """Score each row's accepted path (already compacted into slots committed_b, ...), evict the
         rows whose cache is full."""
         committed = list(committed)
-        for b, (row, path) in enumerate(zip(layout.rows, paths, strict=True)):
+        positions = layout.positions()  # [B, T]
+        for b, path in enumerate(paths):
             if not path:  # a row with nothing committed this step (a prefill padding row)
                 continue
             nodes = torch.tensor(list(path), device=self.device)  # [n]
-            positions = row.positions()[list(path)].to(self.device)  # [n]
             with self.row(b):
-                self.observe(nodes, row.committed, positions)
+                self.observe(nodes, layout.committed[b], positions[b, list(path)].to(self.device))
                 if committed[b] >= self.policy.budget:
                     self.evict()
                     committed[b] = self.policy.kept

@@ -1,0 +1,1 @@
+"""The bottom layer: the errors every layer raises and the user's cache folder."""

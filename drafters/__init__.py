@@ -1,0 +1,51 @@
+"""Drafters feeding the tree verifier: training-free (prompt lookup, token recycling, suffix drafting),
+draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
+
+from .base import (
+    Combined, Drafter, Drafting, DraftModel, DraftSession, PerRowDrafting, RootsOnly, RowsDrafting, TargetForward,
+    VerifiedRows, expected_tokens,
+)
+from .feature import Feature
+from .heads import Heads
+from .prompt_lookup import PromptLookup
+from .recycled_lookup import RecycledLookup, rows_drafting
+from .self_draft import SelfDraft
+from .suffix import Suffix
+from .token_recycling import TokenRecycling
+from .tree_rows import TreeRows
+from .tree import Candidate, DraftTree, DrawnCandidate, accept_greedy, build_tree
+
+
+def default_drafter() -> Drafter:
+    """Prompt lookup branches and token recycling competing for one tree."""
+    return Combined(PromptLookup(), TokenRecycling())
+
+
+__all__ = [
+    "Candidate",
+    "Combined",
+    "DraftModel",
+    "DraftSession",
+    "DraftTree",
+    "DrawnCandidate",
+    "Drafter",
+    "Feature",
+    "Drafting",
+    "PerRowDrafting",
+    "RootsOnly",
+    "RowsDrafting",
+    "TreeRows",
+    "VerifiedRows",
+    "Heads",
+    "PromptLookup",
+    "RecycledLookup",
+    "SelfDraft",
+    "Suffix",
+    "TokenRecycling",
+    "TargetForward",
+    "accept_greedy",
+    "build_tree",
+    "default_drafter",
+    "expected_tokens",
+    "rows_drafting",
+]

@@ -1,0 +1,292 @@
+"""Drafter contract: a frozen config that starts a per-generation session proposing tree candidates."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .stats import AcceptanceStats
+from .tree import CandidateSource, DraftTree, build_tree
+from .tree_rows import TreeRows
+from ..common.errors import InvalidParameterError
+from ..ir.draft import DraftGraphSpec
+
+
+@dataclass(frozen=True)
+class TargetForward:
+    """What a target forward tells the drafters about its T tokens (the prompt, or a verified tree)."""
+
+    topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token (raw logits)
+    hidden: torch.Tensor  # [T, H] on the model's device: final normed hidden states
+    choices: torch.Tensor  # [T] int64 on the CPU: the token the target chose after each token (greedy or sampled)
+    resumed: bool = False  # the forward resumed above an early exit from a session's precomputed states
+
+
+@dataclass(frozen=True)
+class VerifiedRows:
+    """What one verify forward tells the drafters about every row's tree (padding nodes' entries are
+    meaningless)."""
+
+    topk: torch.Tensor  # [B, T, k] int64 on the CPU
+    hidden: torch.Tensor  # [B, T, H] on the model's device
+    choices: torch.Tensor  # [B, T] int64 on the CPU: the target's choice after each node
+    resumed: bool = False
+
+    def row(self, b: int, size: int) -> TargetForward:
+        """Row b's first `size` nodes as a TargetForward."""
+        return TargetForward(self.topk[b, :size], self.hidden[b, :size], self.choices[b, :size], self.resumed)
+
+
+class RowsDrafting(ABC):
+    """The drafting of a batch's live rows during one generation: every step, one tree per row.
+
+    Row b of a call is the loop's live row b; `keep` follows the loop when rows finish."""
+
+    @abstractmethod
+    def draft(self, histories: Sequence[Sequence[int]], max_nodes: int, max_depths: Sequence[int]) -> TreeRows:
+        """Each row's tree rooted at its history's last token, at most max_nodes nodes and
+        max_depths[b] levels below the root."""
+
+    def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
+        """[B, T, H]: when every row's tree was already run through the layers below an early exit
+        (DraftSession.precomputed), those states (padding nodes' zeros); else None."""
+        return None
+
+    @abstractmethod
+    def observe(self, trees: TreeRows, verified: VerifiedRows, paths: Sequence[Sequence[int]],
+                histories: Sequence[Sequence[int]]) -> None:  # fmt: skip
+        """Learn from a verify step whose accepted paths (node indices, root first) are `paths`;
+        histories: each row's tokens up to and including its tree's root."""
+
+    @abstractmethod
+    def keep(self, rows: Sequence[int]) -> None:
+        """Only `rows` (ascending) go on, as rows 0, 1, ..."""
+
+
+class RootsOnly(RowsDrafting):
+    """One-node trees: nothing is drafted."""
+
+    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
+        return TreeRows.roots([h[-1] for h in histories])
+
+    def observe(self, trees, verified, paths, histories) -> None:
+        pass
+
+    def keep(self, rows) -> None:
+        pass
+
+
+class DraftModel(Protocol):
+    """A program's draft graph (ir.draft), as the decode loop hands it to the drafters: a drafter
+    drives the graphs whose `spec.kind` it knows (drafters.Heads: "heads")."""
+
+    spec: DraftGraphSpec
+
+    @property
+    def config(self) -> Any:
+        """spec.config: the draft graph's own config (heads: HeadsConfig)."""
+
+    def __call__(self, *args: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The spec's inputs (positionally in its order, or by name) -> the spec's outputs."""
+
+
+class DraftSession(ABC):
+    """State of one drafter during one generation."""
+
+    stats: AcceptanceStats
+
+    @abstractmethod
+    def candidates(self, tokens: Sequence[int]) -> CandidateSource:
+        """The source of candidates for the tree rooted at tokens[-1]."""
+
+    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
+        """Learn from a verify step of `tree` whose accepted nodes are `path`; tokens is the sequence
+        up to and including the tree's root."""
+
+    @classmethod
+    def draft_rows(cls, sessions: Sequence[DraftSession]) -> None:
+        """Prepare the next candidates of several rows' sessions of this class at once, ahead of their
+        candidates() calls (drafters.FeatureSession: one draft call per depth for every row). The
+        default does nothing: each session drafts in its own candidates()."""
+
+    def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
+        """[T, H]: when this session already ran every node of `tree` through the layers below an
+        early exit, in the node's own tree slot (drafters.SelfDraft), the states after them; the
+        verify step may then resume from there (and says so in TargetForward.resumed). None (the
+        default): the verify step runs every layer. No side effects: asking does not commit the loop."""
+        return None
+
+
+class Drafter(ABC):
+    """A drafting method's parameters (a frozen dataclass); `start` opens a session for one prompt.
+
+    A drafter may also keep a memory across the generations of one program (`new_memory`): Token
+    Recycling's successor table is inherited from query to query, as in the paper ("hot start").
+    """
+
+    def new_memory(self) -> Any:
+        """A fresh cross-generation memory for this drafter (None: it keeps nothing)."""
+        return None
+
+    @property
+    def target_topk(self) -> int:
+        """How many of the target's top next tokens per position the drafter reads (`TargetForward.topk`)."""
+        return 8
+
+    @property
+    def draws(self) -> bool:
+        """True when every candidate is drawn from a draft law (tree.Drawn): the decode loop then
+        accepts by the multi-candidate rule when it samples (backends.runtime.multi_candidate)."""
+        return False
+
+    @abstractmethod
+    def start(
+        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None,
+        seed: int = 0,
+    ) -> DraftSession:  # fmt: skip
+        """prefill: the target's forward over the prompt; memory: what `new_memory` made, carried over
+        from earlier generations (None: start cold); draft: the program's draft graph, if it has one;
+        seed: the generation's seed, for a drafter that draws its candidates at random."""
+
+    def sessions(
+        self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None,
+        seed: int = 0,
+    ) -> list[DraftSession]:  # fmt: skip
+        return [self.start(prompt, prefill, memory, draft, seed)]
+
+    def rows(
+        self, prompts: Sequence[Sequence[int]], prefills: Sequence[TargetForward], memory: Any = None,
+        draft: DraftModel | None = None, seeds: Sequence[int] = (), drafting_row: Callable | None = None,
+    ) -> RowsDrafting:  # fmt: skip
+        """The drafting of a batch: prompts and prefills per row, seeds per row (default 0), and
+        drafting_row(b), a context in which a cache-sharing draft graph drafts for row b. Each row
+        runs its own sessions (`sessions`) and the best-first builder; a drafter that drafts all rows
+        at once overrides this (drafters.rows_drafting picks prompt lookup and Token Recycling's)."""
+        seeds = seeds or [0] * len(prompts)
+        rows = [Drafting(self.sessions(p, f, memory, draft, s)) for p, f, s in zip(prompts, prefills, seeds, strict=True)]
+        return PerRowDrafting(rows, drafting_row)
+
+
+@dataclass(frozen=True, init=False)
+class Combined(Drafter):
+    """Several drafters feeding one tree; candidates compete on estimated acceptance probability."""
+
+    drafters: tuple[Drafter, ...]
+
+    def __init__(self, *drafters: Drafter):
+        if not drafters or not all(isinstance(d, Drafter) and not isinstance(d, Combined) for d in drafters):
+            raise InvalidParameterError("Combined takes one or more non-combined Drafter objects")
+        if any(d.draws for d in drafters):
+            drawing = next(d for d in drafters if d.draws)
+            raise InvalidParameterError(
+                f"{drawing!r} draws its candidates at random and cannot share a tree: the multi-candidate rule "
+                "needs every child of a node drawn from one draft law (use it alone, or drop its temperature)"
+            )
+        object.__setattr__(self, "drafters", tuple(drafters))
+
+    def __repr__(self) -> str:
+        return f"Combined({', '.join(map(repr, self.drafters))})"
+
+    def new_memory(self) -> tuple:
+        return tuple(d.new_memory() for d in self.drafters)
+
+    @property
+    def target_topk(self) -> int:
+        return max(d.target_topk for d in self.drafters)
+
+    def start(self, prompt, prefill, memory=None, draft=None, seed=0):  # pragma: no cover - expanded by `sessions`
+        raise TypeError("Combined drafters are started through sessions()")
+
+    def sessions(self, prompt, prefill, memory=None, draft=None, seed=0) -> list[DraftSession]:
+        memories = memory if memory is not None else (None,) * len(self.drafters)
+        return [d.start(prompt, prefill, m, draft, seed) for d, m in zip(self.drafters, memories)]
+
+
+class Drafting:
+    """Runs the sessions of one generation: builds each step's tree and feeds back what was accepted."""
+
+    def __init__(self, sessions: Sequence[DraftSession]):
+        self.sessions = list(sessions)
+
+    def draft(self, tokens: Sequence[int], max_nodes: int, max_depth: int) -> DraftTree:
+        sources = [s.candidates(tokens) for s in self.sessions]
+        return build_tree(tokens[-1], sources, max_nodes, max_depth)
+
+    def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
+        """The exit states of the tree's nodes, if a session computed them all (DraftSession.precomputed)."""
+        return next((states for s in self.sessions if (states := s.precomputed(tree)) is not None), None)
+
+    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
+        on_path = set(path)
+        for i in range(1, len(tree)):
+            origin = tree.origins[i]
+            if origin is not None and tree.parents[i] in on_path:
+                source, key = origin
+                self.sessions[source].stats.record(key, i in on_path)
+        for session in self.sessions:
+            session.observe(tree, verified, path, tokens)
+
+
+class PerRowDrafting(RowsDrafting):
+    """Each row drafts with its own sessions and the best-first builder (drafters.tree.build_tree)."""
+
+    def __init__(self, rows: Sequence[Drafting], drafting_row: Callable[[int], Any] | None = None):
+        self.rows = list(rows)
+        self.drafting_row = drafting_row or (lambda b: contextlib.nullcontext())
+
+    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
+        by_class: dict[type, list[DraftSession]] = {}
+        for row in self.rows:
+            for session in row.sessions:
+                by_class.setdefault(type(session), []).append(session)
+        for kind, sessions in by_class.items():
+            kind.draft_rows(sessions)
+        trees = []
+        for b, (row, tokens, depth) in enumerate(zip(self.rows, histories, max_depths, strict=True)):
+            with self.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
+                trees.append(row.draft(tokens, max_nodes, depth))
+        return TreeRows.stack(trees)
+
+    def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
+        rows = [row.precomputed(trees.row(b)) for b, row in enumerate(self.rows)]
+        if any(r is None for r in rows):
+            return None
+        states = rows[0].new_zeros(len(rows), trees.width, rows[0].shape[-1])  # [B, T, H]
+        for b, r in enumerate(rows):
+            states[b, : r.shape[0]] = r
+        return states
+
+    def observe(self, trees, verified, paths, histories) -> None:
+        for b, (row, path, tokens) in enumerate(zip(self.rows, paths, histories, strict=True)):
+            row.observe(trees.row(b), verified.row(b, int(trees.sizes[b])), path, tokens)
+
+    def keep(self, rows) -> None:
+        self.rows = [self.rows[i] for i in rows]
+
+
+def expected_tokens(tree: DraftTree) -> list[float]:
+    """expected[n-1]: expected tokens per step when verifying the first n nodes (bonus token included)."""
+    out, total = [], 1.0
+    for i, score in enumerate(tree.scores):
+        total += score if i > 0 else 0.0
+        out.append(total)
+    return out
+
+
+def _check_positive_int(owner: str, name: str, value: object, low: int = 1, high: int = 1 << 16) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidParameterError(f"{owner}.{name} must be an int in [{low}, {high}], got {value!r}")
+
+
+def check_params(owner: str, **params: object) -> None:
+    for name, value in params.items():
+        _check_positive_int(owner, name, value)
+
+
+__all__ = ["Combined", "DraftModel", "DraftSession", "Drafter", "Drafting", "PerRowDrafting", "RootsOnly", "RowsDrafting",
+           "TargetForward", "VerifiedRows", "check_params", "expected_tokens"]
