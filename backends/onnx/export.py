@@ -144,8 +144,9 @@ def export(
 
     from ..options import default_pipeline
 
-    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
-    if missing and (check or missing != ["onnxruntime"]):  # onnxruntime runs the check only
+    needed = ("onnx", "onnxscript", "onnxruntime") if check else ("onnx", "onnxscript")  # onnxruntime runs the check
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
         raise ExportError(f"the ONNX export needs {' and '.join(missing)}: pip install 'specpass[onnx]'")
     pipeline = pipeline if pipeline is not None else default_pipeline(arch_spec(model))
 
