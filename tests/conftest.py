@@ -210,17 +210,26 @@ class RowCounter:
 
 
 @pytest.fixture
+def onednn_linears(monkeypatch):
+    """Programs compiled inside the test run every float linear on oneDNN (packed in the oneDNN
+    lowering), as a model with large weights does: tiny models' weights are small enough for ATen's mm."""
+    from specpass.backends.kernels import linear
+
+    monkeypatch.setattr(linear, "ATEN_MAX_WEIGHT", 0)
+
+
+@pytest.fixture
 def counted_linears(monkeypatch):
     """Programs compiled inside the test count their linears' rows for the RowCounters of the weights."""
     from specpass.backends.kernels import linear
 
     real = linear.rows_linear
 
-    def counting_rows_linear(x, weight, bias, min_rows, max_rows):
+    def counting_rows_linear(x, weight, bias, onednn, sizes):
         counter = _COUNTERS.get(id(weight))
         if counter is not None:
             counter.rows += x.shape[-2]
-        return real(x, weight, bias, min_rows, max_rows)
+        return real(x, weight, bias, onednn, sizes)
 
     monkeypatch.setattr(linear, "rows_linear", counting_rows_linear)
     yield

@@ -10,7 +10,7 @@ import specpass
 from specpass.backends.kernels import attention as attention_module
 from specpass.backends.kernels import linear as linear_module
 from specpass.backends.kernels.attention import ordered_attention
-from specpass.backends.kernels.linear import row_bounds, rows_linear
+from specpass.backends.kernels.linear import row_plan, rows_linear
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -82,56 +82,63 @@ def test_attention_reads_only_the_slots_its_mask_covers_and_not_the_thread_count
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_of_the_linear_does_not_depend_on_the_other_rows(dtype):
     """Calls of sizes the probe never measured (17, 100, 600 rows: run in measured pieces) and of sizes it
-    did give every row the bits of the same row computed alone, weights as they are and packed (as
-    float32: bfloat16 computes in float32)."""
+    did give every row the bits of the same row computed alone, on both kernels: small weights on ATen's
+    mm, large ones on oneDNN as they are and packed (as float32: bfloat16 computes in float32)."""
     gen = torch.Generator().manual_seed(0)
-    for k, n in ((576, 1536), (1536, 576), (32, 96)):
+    for k, n in ((576, 1536), (1536, 576), (32, 96), (64, 256)):
         weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.float())
         x = torch.randn(600, k, generator=gen).to(dtype)
-        for w in (weight, packed):
-            bounds = row_bounds(w)
-            assert 1 <= bounds.min_rows <= 2 and bounds.max_rows >= 1
-            alone = torch.cat([rows_linear(x[i : i + 1], w, bias, *bounds) for i in range(600)])
+        large = linear_module.runs_on_onednn(weight)
+        assert large == (n * k > linear_module.ATEN_MAX_WEIGHT)
+        weights = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.float())) if large else (weight,)
+        for w in weights:
+            plan = row_plan(w)
+            assert plan.onednn == large and plan.sizes, (k, n, plan)
+            alone = torch.cat([rows_linear(x[i : i + 1], w, bias, *plan) for i in range(600)])
             for m in (1, 2, 3, 7, 16, 17, 33, 100, 130, 600):
-                assert torch.equal(rows_linear(x[:m], w, bias, *bounds), alone[:m]), (k, n, m, bounds)
-            assert torch.equal(rows_linear(x[None, :5], w, bias, *bounds), alone[None, :5])  # [B, T, K] inputs
+                assert torch.equal(rows_linear(x[:m], w, bias, *plan), alone[:m]), (k, n, m, plan)
+            assert torch.equal(rows_linear(x[None, :5], w, bias, *plan), alone[None, :5])  # [B, T, K] inputs
             assert alone.dtype == dtype
 
 
 @needs_onednn
-def test_the_linear_runs_only_measured_call_sizes(monkeypatch):
-    """A long call is cut into pieces of measured sizes, none above max_rows; a lone row runs in company
-    where min_rows says so."""
-    from specpass.backends.kernels import linear as linear_module
-
+def test_the_linear_runs_only_planned_call_sizes(monkeypatch):
+    """A long call is cut into pieces of planned sizes, the largest that fits first; a remainder of at
+    most 16 rows runs in one call, padded up to the next planned size; with no planned size each row
+    runs in a call of the reference size."""
     calls = []
-    real = torch.ops.mkldnn._linear_pointwise
+    real_linear = torch.nn.functional.linear
 
-    class Recording:
-        def _linear_pointwise(self, x, *rest):
-            calls.append(x.shape[0])
-            return real(x, *rest)
+    def recording_linear(x, w):
+        calls.append(x.shape[0])
+        return real_linear(x, w)
 
-    monkeypatch.setattr(torch.ops, "mkldnn", Recording())
+    monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
     weight = torch.randn(8, 4)
-    for m, bounds, sizes in ((1, (2, 512), [2]), (1, (1, 512), [1]), (600, (2, 512), [512, 64, 24]),
-                             (45, (1, 32), [32, 13]), (33, (2, 32), [32, 2]), (70, (1, 70), [64, 6])):  # fmt: skip
+    ladder = (4, 8, 12, 16, 24, 32, 64, 512)
+    for m, sizes, expected in ((1, ladder, [4]), (600, ladder, [512, 64, 24]), (45, ladder, [32, 16]),
+                               (10, (4, 8), [8, 4]), (2, (), [8, 8]), (3, (1, 2, 3), [3])):  # fmt: skip
         calls.clear()
-        linear_module.rows_linear(torch.randn(m, 4), weight, None, *bounds)
-        assert calls == sizes, (m, bounds)
-        assert all(size in linear_module.SMALL_SIZES + linear_module.LADDER for size in calls)
+        x = torch.randn(m, 4)
+        out = linear_module.rows_linear(x, weight, None, False, sizes)
+        assert calls == expected, (m, sizes)
+        assert out.shape == (m, 8)
+        torch.testing.assert_close(out, x @ weight.t())
 
 
 @needs_onednn
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_every_family_computes_one_function_on_every_cpu_lowering(arch):
+def test_every_family_computes_one_function_on_every_cpu_lowering(arch, monkeypatch):
     """The build-time check runs (prompt pieces, tree nodes alone, rows) and passes for each family on
-    the eager and oneDNN lowerings, float32 and bfloat16, two rows."""
+    the eager lowering (its small weights on ATen's mm) and the oneDNN lowering (every weight on oneDNN,
+    packed, as a large model's), float32 and bfloat16, two rows."""
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_model(arch).to(dtype)
         for lowering in ("eager", "onednn"):
-            program = specpass.compile_program(model, {"lowering": lowering, "cache_size": 128}, rows=2)
+            with monkeypatch.context() as patch:
+                if lowering == "onednn":
+                    patch.setattr(linear_module, "ATEN_MAX_WEIGHT", 0)
+                program = specpass.compile_program(model, {"lowering": lowering, "cache_size": 128}, rows=2)
             check = program.report.invariance
             assert check.passed and check.compared >= 80 and "rows" in check.cases, (arch, dtype, lowering)
 
@@ -146,9 +153,9 @@ def test_a_kernel_that_depends_on_the_rest_of_the_call_is_refused(monkeypatch):
         slots = mask.shape[-1]
         return SDPA(q, keys[:, :, :slots], values[:, :, :slots], attn_mask=mask, scale=scale, enable_gqa=True)
 
-    def rows_dependent_linear(x, weight, bias, min_rows, max_rows):
+    def rows_dependent_linear(x, weight, bias, onednn, sizes):
         rows = x.numel() // x.shape[-1]
-        return rows_linear(x, weight, bias, min_rows, max_rows) * (1 + 1e-6 * (rows > 1))
+        return rows_linear(x, weight, bias, onednn, sizes) * (1 + 1e-6 * (rows > 1))
 
     for name, module, kernel in (("ordered_attention", attention_module, sdpa_attention),
                                  ("rows_linear", linear_module, rows_dependent_linear)):  # fmt: skip

@@ -73,7 +73,7 @@ def _replace_parameter(model):
 
 @needs_onednn
 @pytest.mark.parametrize("change", [_edit_in_place, _load_state_dict, _replace_parameter])
-def test_weights_changed_after_compiling_rebuild_the_program(change):
+def test_weights_changed_after_compiling_rebuild_the_program(change, onednn_linears):
     """The oneDNN lowering keeps prepacked copies of every linear's weight: after the change, the next
     call equals HF greedy with the new weights (not the old output, nor a mix)."""
     model = peaked_tiny_model()

@@ -28,6 +28,7 @@ from numba.extending import intrinsic
 KEY_BLOCK = 64  # keys per score block
 QUERY_BLOCK = 4  # queries per score block
 DIM_BLOCK = 64  # value dims per accumulation pass
+SERIAL_WORK = 1 << 14  # calls of fewer query-dims x slots run on the calling thread
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693145751953125)  # ln 2 in two parts: n * _LN2_HI is exact for |n| < 2**9
 _LN2_LO = np.float32(1.428606765330187e-06)
@@ -254,6 +255,8 @@ def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     q, keys, values, mask = (x.detach().contiguous() for x in (q, keys, values, mask))
     out = torch.empty(q.shape, dtype=torch.float32)
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if q.numel() * slots < SERIAL_WORK:  # a thread hand-off costs more than the work (no bit changes)
+        threads = 1
     if threads > 1:
         _start_numba_threads()
         if numba.get_num_threads() != threads:

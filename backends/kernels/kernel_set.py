@@ -3,8 +3,8 @@
 Each lowering runs the kernel set of its device on every call, whatever the step's size: a lowering
 is one function, and no choice between kernels that give other bits is ever made per call (the
 lossless contract, docs/design.md). Today's set is the CPU's: attention in logical key order
-(backends.kernels.attention, numba, every dtype) and oneDNN's linear with at least two rows
-(backends.kernels.linear, float32 and bfloat16). Other devices have none yet: their steps keep the
+(backends.kernels.attention, numba, every dtype) and a linear in calls of measured sizes only, on
+ATen's mm for small weights and oneDNN's for the others (backends.kernels.linear, float32 and bfloat16). Other devices have none yet: their steps keep the
 captured ops, and the build-time check (backends.runtime.invariance) says what that costs. A CUDA
 set joins by adding its entry to `kernel_set` and, where it differs, its own replacement functions.
 
@@ -40,7 +40,7 @@ def kernel_set(device: torch.device, dtype: torch.dtype) -> KernelSet | None:
     if device.type != "cpu":
         return None
     has_linear = linear.available(device, dtype)
-    return KernelSet("cpu: ordered attention" + (", oneDNN rows linear" if has_linear else ""), True, has_linear)
+    return KernelSet("cpu: ordered attention" + (", rows linear" if has_linear else ""), True, has_linear)
 
 
 def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None = None,
@@ -88,7 +88,8 @@ def _cache_rows(kv: torch.fx.Node) -> torch.fx.Node:
 
 def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch.Tensor] | None) -> None:
     """Each `call_module` of an `nn.Linear` whose weight the kernel takes becomes rows_linear(x, weight,
-    bias, min_rows, max_rows) (`linear.row_bounds`); packed weights become buffers of `gm` (one per weight)."""
+    bias, *row_plan) (`linear.row_plan`); weights that run on oneDNN are packed where `packed` is given,
+    as buffers of `gm` (one per weight)."""
     from ..lowering.onednn import packed_weight
 
     graph = gm.graph
@@ -100,7 +101,8 @@ def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch
         if not isinstance(module, nn.Linear) or not linear.available(module.weight.device, module.weight.dtype):
             continue
         with graph.inserting_before(node):
-            if packed is None:
+            if packed is None or not linear.runs_on_onednn(module.weight):
+                weight_tensor = module.weight
                 weight = graph.get_attr(f"{node.target}.weight")
             else:
                 key = id(module.weight)
@@ -109,10 +111,11 @@ def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch
                 if key not in names:
                     names[key] = f"packed_{len(names)}"
                     gm.register_buffer(names[key], packed[key], persistent=False)
+                weight_tensor = packed[key]
                 weight = graph.get_attr(names[key])
             bias = graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
-            bounds = linear.row_bounds(module.weight if packed is None else packed[id(module.weight)])
-            new = graph.call_function(rows_linear, (node.args[0], weight, bias, *bounds))
+            plan = linear.row_plan(weight_tensor)
+            new = graph.call_function(rows_linear, (node.args[0], weight, bias, plan.onednn, list(plan.sizes)))
         replace_node(node, new, (weight, bias, new))
 
 
@@ -131,12 +134,12 @@ def compiled_ops() -> tuple:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("specpass::rows_linear", mutates_args=())
-    def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int,
-                    max_rows: int) -> torch.Tensor:  # fmt: skip
-        return linear.rows_linear(x, weight, bias, min_rows, max_rows)
+    def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+                    sizes: list[int]) -> torch.Tensor:  # fmt: skip
+        return linear.rows_linear(x, weight, bias, onednn, sizes)
 
     @rows_linear.register_fake
-    def _(x, weight, bias, min_rows, max_rows):
+    def _(x, weight, bias, onednn, sizes):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     return torch.ops.specpass.ordered_attention.default, torch.ops.specpass.rows_linear.default

@@ -1,14 +1,18 @@
-"""A linear layer whose result for a row does not depend on the other rows of the call (CPU, oneDNN).
+"""A linear layer whose result for a row does not depend on the other rows of the call (CPU).
 
-PyTorch's default CPU linear (MKL sgemm) picks its kernel by the number of rows, so a row's bits depend on
-the call's size. oneDNN's float32 linear (`mkldnn._linear_pointwise`, on the weight as it is or packed:
-the same bits) kept a row's bits in every call size measured, except that a one-row call runs another
-kernel for some shapes (docs/experiments.md, "Lossless by construction"). Since that is a measurement,
-`row_bounds` measures each weight shape, packing and thread count once per process (sizes 1..16, then a
-ladder to 512, against the same 64 rows computed in pairs) and `rows_linear` runs every call as pieces
-of measured sizes only. A bfloat16 linear computes in float32 on float32 weights and rounds once
-(oneDNN's bfloat16 kernels were not one function). Invariant: rows_linear(x)[i] depends only on x[i],
-the weight and the bias (checked at build time by backends.runtime.invariance).
+A GEMM library picks its kernel by the call's shape, so a row's bits depend on how many rows the call
+has: ATen's float32 mm (MKL) gives other bits at 1, 2, 3, 5, 6, 7, 9, 10 and 11 rows than at 4, 8 and
+12 or more on a 2-core EPYC, and oneDNN's float32 linear (`mkldnn._linear_pointwise`, on the weight as
+it is or packed: the same bits) keeps a row's bits at every size except, for some shapes, one row
+(docs/experiments.md, "Lossless by construction"). Within one call size, a row's bits depend only on
+the row. So each weight gets a `RowPlan`: its kernel, fixed by its size (ATen's mm where the weight
+is small, under `ATEN_MAX_WEIGHT` elements: oneDNN costs about 25-40 us a call whatever the call,
+ATen about 5; oneDNN above), and the call sizes measured, once per process, shape, packing and thread
+count, to give every row the bits it has in a call of `REFERENCE_ROWS` (`row_plan`). `rows_linear`
+then runs any number of rows as calls of those sizes only, padding a short remainder with copies of its
+last row. A bfloat16 linear computes in float32 on float32 weights and rounds once. Invariant:
+rows_linear(x)[i] depends only on x[i], the weight and the bias (checked at build time by
+backends.runtime.invariance).
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ import torch
 SMALL_SIZES = tuple(range(1, 17))  # every size a remainder may take
 LADDER = (24, 31, 32, 33, 48, 63, 64, 96, 128, 192, 256, 384, 512)
 COMPARED_ROWS = 64
+REFERENCE_ROWS = 8  # a row's bits are those it has in a call of this many rows, the others copies of it
+ATEN_MAX_WEIGHT = 1 << 16  # weights of at most this many elements run on ATen's mm, larger on oneDNN
 
 
-class RowBounds(NamedTuple):
-    """min_rows: 2 where a one-row call has other bits (a lone row then runs beside a copy of itself);
-    max_rows: the largest call size up to which every measured size gives a row the same bits."""
+class RowPlan(NamedTuple):
+    """onednn: the kernel (oneDNN's linear, else ATen's mm); sizes: the call sizes, ascending, in which
+    every measured row had the bits of the reference call (empty: each row runs in a reference call)."""
 
-    min_rows: int
-    max_rows: int
+    onednn: bool
+    sizes: tuple[int, ...]
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN's linear runs here: on a CPU with oneDNN, float32 or bfloat16 (computed in float32)."""
+    """Whether the kernel runs here: on a CPU with oneDNN, float32 or bfloat16 (computed in float32)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -40,58 +46,91 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int, max_rows: int
-                ) -> torch.Tensor:  # fmt: skip
-    """x [..., K] -> [..., N] in x's dtype through oneDNN's float32 linear, in calls of measured sizes
-    only (`row_bounds`); weight [N, K] as it is, or packed for oneDNN (backends.lowering.onednn.packed_weight)."""
-    rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+def runs_on_onednn(weight: torch.Tensor) -> bool:
+    """The kernel a weight [N, K] runs on, by its size alone (never by a call's size)."""
+    return weight.is_mkldnn or weight.numel() > ATEN_MAX_WEIGHT
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+                sizes: tuple[int, ...] | list[int]) -> torch.Tensor:  # fmt: skip
+    """x [..., K] -> [..., N] in x's dtype, in calls of the plan's sizes only (`row_plan`); weight [N, K]
+    as it is, or packed for oneDNN (backends.lowering.onednn.packed_weight) when `onednn`."""
+    dtype = x.dtype
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
+    if dtype != torch.float32:
+        rows = rows.float()
+        bias = bias.float() if bias is not None else None
     if not weight.is_mkldnn and weight.dtype != torch.float32:
         weight = weight.float()
-    bias = bias.float() if bias is not None else None
-    pieces, start = [], 0
-    while start < rows.shape[0]:
-        size = _piece_size(rows.shape[0] - start, max_rows)
-        pieces.append(_call(rows[start : start + size], weight, bias, min_rows))
-        start += size
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [M, N]
-    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    m = rows.shape[0]
+    take, call = _piece(m, tuple(sizes))
+    if take == m:  # one call: the common case of a decoding step
+        out = _call(rows, weight, onednn, call)  # [M, N]
+    else:
+        pieces, start = [], 0
+        while start < m:
+            pieces.append(_call(rows[start : start + take], weight, onednn, call))
+            start += take
+            if start < m:
+                take, call = _piece(m - start, tuple(sizes))
+        out = torch.cat(pieces)  # [M, N]
+    if bias is not None:
+        out = out + bias
+    if x.dim() != 2:
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _piece_size(left: int, max_rows: int) -> int:
-    """The largest measured size of at most min(left, max_rows) rows."""
-    limit = min(left, max_rows)
-    if limit <= SMALL_SIZES[-1]:
-        return limit
-    return max(size for size in SMALL_SIZES + LADDER if size <= limit)
+def _piece(left: int, sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(rows taken, rows in the call) for the next piece of `left` rows: all of them, padded up to the
+    smallest planned size that holds them where that is a small size (one call, not two); else the
+    largest planned size that fits; one row in a reference call where the plan has no size."""
+    above = [size for size in sizes if size >= left]
+    if above and above[0] <= SMALL_SIZES[-1]:
+        return left, above[0]
+    fits = [size for size in sizes if size <= left]
+    if fits:
+        return fits[-1], fits[-1]
+    if sizes:
+        return left, sizes[0]
+    return 1, REFERENCE_ROWS
 
 
-def _call(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
-    if rows.shape[0] >= min_rows:
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-    pair = rows.expand(2, -1)  # [2, K]
-    return torch.ops.mkldnn._linear_pointwise(pair, weight, bias, "none", [], "")[:1]
-
-
-def row_bounds(weight: torch.Tensor) -> RowBounds:
-    """The call sizes oneDNN's float32 linear keeps a row's bits in, for a weight of this shape and
-    packing (measured once per process and thread count: module docstring)."""
-    return _row_bounds(tuple(weight.shape), weight.is_mkldnn, torch.get_num_threads())
+def _call(rows: torch.Tensor, weight: torch.Tensor, onednn: bool, size: int) -> torch.Tensor:
+    """rows [m, K] -> [m, N] in one call of `size` >= m rows (the last row repeated as padding)."""
+    m = rows.shape[0]
+    if size > m:
+        rows = rows.index_select(0, _padding_index(m, size))  # [size, K]
+    if onednn:
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
+    else:
+        out = torch.nn.functional.linear(rows, weight)
+    return out[:m] if size > m else out
 
 
 @functools.cache
-def _row_bounds(shape: tuple[int, int], packed: bool, threads: int) -> RowBounds:
+def _padding_index(rows: int, size: int) -> torch.Tensor:
+    """[size]: 0 .. rows - 1, then rows - 1 repeated."""
+    return torch.arange(size).clamp_(max=rows - 1)
+
+
+def row_plan(weight: torch.Tensor) -> RowPlan:
+    """The kernel and call sizes for a weight of this shape and packing (measured once per process and
+    thread count: module docstring)."""
+    return _row_plan(tuple(weight.shape), weight.is_mkldnn, runs_on_onednn(weight), torch.get_num_threads())
+
+
+@functools.cache
+def _row_plan(shape: tuple[int, int], packed: bool, onednn: bool, threads: int) -> RowPlan:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=gen)
     if packed:
         weight = torch.ops.mkldnn._reorder_linear_weight(weight)
     x = torch.randn(LADDER[-1], shape[1], generator=gen)  # [512, K]
-    paired = torch.cat([_call(x[i : i + 1], weight, None, 2) for i in range(COMPARED_ROWS)])  # [64, N]
-    lone_equal = torch.equal(_call(x[:1], weight, None, 1), paired[:1])
-    min_rows = 1 if lone_equal else 2
-    max_rows = 1
-    for size in SMALL_SIZES[1:] + LADDER:
+    reference = torch.cat([_call(x[i : i + 1], weight, onednn, REFERENCE_ROWS) for i in range(COMPARED_ROWS)])
+    sizes = []
+    for size in SMALL_SIZES + LADDER:
         compared = min(size, COMPARED_ROWS)
-        if not torch.equal(_call(x[:size], weight, None, 1)[:compared], paired[:compared]):
-            break
-        max_rows = size
-    return RowBounds(min_rows, max_rows)
+        if torch.equal(_call(x[:size], weight, onednn, size)[:compared], reference[:compared]):
+            sizes.append(size)
+    return RowPlan(onednn, tuple(sizes))

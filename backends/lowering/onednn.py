@@ -1,10 +1,11 @@
 """oneDNN lowering for CPUs: every float linear of the step reads weights packed once for oneDNN.
 
-The invariant CPU linear (backends.kernels.linear) is oneDNN's; on the weight as it is it packs per call,
+The invariant CPU linear (backends.kernels.linear) runs large weights on oneDNN; on the weight as it is it packs per call,
 and the skinny GEMMs of decoding run faster on weights packed once into oneDNN's blocked layout
 (docs/experiments.md, "oneDNN"). The packed and unpacked calls give the same bits. Rewrite:
 `backends.kernels.kernel_set.use_kernels` with a `packed` table, each linear becoming
-`rows_linear(x, packed_weight, bias, *row_bounds)` on buffers of the lowered module, one per distinct
+`rows_linear(x, packed_weight, bias, *row_plan)` on buffers of the lowered module (weights large enough
+to run on oneDNN, `backends.kernels.linear.runs_on_onednn`), one per distinct
 weight (a tied LM head is packed once). The packed weights are a copy, made once per weight per process
 and shared by every program (`packed_weight`), and packed again when the weight changes in place.
 """
