@@ -72,10 +72,10 @@ def _pytorch_runs(args: argparse.Namespace):
     if tokenizer is None:
         raise InvalidParameterError(f"{args.model} holds no tokenizer files; generate needs them to encode --prompt")
     pipeline = pipeline if pipeline is not None else default_pipeline(arch_spec(model))
-    if args.heads == "eagle":
+    if args.heads == "feature":
         pipeline = Pipeline(*pipeline, FeatureDraft(draft=args.heads_dir or "default"))
     elif args.heads is not None:
-        pipeline = Pipeline(*pipeline, DraftHeads(kind=args.heads, heads=args.heads_dir or "default"))
+        pipeline = Pipeline(*pipeline, DraftHeads(design=args.heads, heads=args.heads_dir or "default"))
     options = {"pipeline": pipeline, "drafter": drafter_by_name(args.drafter)}
     compiled = torch.compile(model, backend="specpass", options=options)
     compile_program(compiled)  # capture, rewrite, lower and measure the cost curve up front
@@ -242,21 +242,21 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
     if kind not in ("medusa", "hydra") and args.heads is not None:
         raise InvalidParameterError(f"--heads is for draft heads (--kind medusa or hydra), not --kind {kind}")
-    if kind != "eagle" and any(v is not None for v in (args.chain_steps, args.sequences, args.resume)):
-        raise InvalidParameterError("--chain-steps, --sequences and --resume are for --kind eagle")
+    if kind != "feature" and any(v is not None for v in (args.chain_steps, args.sequences, args.resume)):
+        raise InvalidParameterError("--chain-steps, --sequences and --resume are for --kind feature")
     if kind == "exit-adapter":
         given |= {"layer": args.layer, "blocks": args.blocks, "inner_size": args.inner_size}
         config_type = ExitTrainConfig
-    elif kind == "eagle":
+    elif kind == "feature":
         given |= {"steps": args.chain_steps, "sequences": args.sequences}
         config_type = FeatureTrainConfig
     else:
-        given |= {"kind": kind, "num_heads": args.heads}
+        given |= {"design": kind, "num_heads": args.heads}
         config_type = TrainConfig
     config = config_type(**{k: v for k, v in given.items() if v is not None})
     model, tokenizer, _ = load_model(args.model, device=args.device)
     start = load_feature_draft(args.resume, model.lm_head) if args.resume else None
-    layers = {"exit-adapter": lambda: (config.layer,), "eagle": lambda: default_feature_layers(len(model.model.layers))}
+    layers = {"exit-adapter": lambda: (config.layer,), "feature": lambda: default_feature_layers(len(model.model.layers))}
     layers = start.config.feature_layers if start is not None else layers.get(kind, tuple)()
     if args.corpus and os.path.exists(args.corpus):
         corpus = [Continuation(tokens, start) for tokens, start in torch.load(args.corpus)]
@@ -275,7 +275,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         print(f"  held-out top-1 agreement with the model: {report['adapter_agreement']:.3f} "
               f"(the plain exit after layer {result.layer}: {report['plain_exit_agreement']:.3f})")
         return 0
-    if kind == "eagle":
+    if kind == "feature":
         _, draft, _ = train_feature_draft(model, corpus, held_out, config, layers, out_dir=args.out, start=start)
         print(f"wrote {args.out}: a feature draft over layers {draft.feature_layers} for model {draft.model}, "
               f"a draft vocabulary of {draft.draft_vocab} tokens")
@@ -284,7 +284,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         return 0
     _, heads, _ = train_heads(model, corpus, held_out, config, out_dir=args.out)
     vocab = f"a draft vocabulary of {heads.draft_vocab} tokens" if heads.draft_vocab else "the whole vocabulary"
-    print(f"wrote {args.out}: {heads.num_heads} {heads.kind} heads for model {heads.model}, {vocab}")
+    print(f"wrote {args.out}: {heads.num_heads} {heads.design} heads for model {heads.model}, {vocab}")
     for d, row in enumerate(heads.accuracy, start=1):
         print(f"  head {d}: held-out top-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f}")
     return 0
@@ -340,6 +340,18 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+_RENAMED = {"eagle": "feature"}  # old choice -> its name now (the old one works until 0.2, with a note)
+
+
+def _rename(args: argparse.Namespace) -> None:
+    """Old names of --heads / --kind choices become the new ones, with a note on stderr."""
+    for option in ("heads", "kind"):
+        old = getattr(args, option, None)
+        if old in _RENAMED:
+            print(f"specpass: note: --{option} {old} is now --{option} {_RENAMED[old]}", file=sys.stderr)
+            setattr(args, option, _RENAMED[old])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="specpass", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -353,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--pipeline", help="pipeline JSON, or a file holding it (default: TreeAttention(64), "
                      "shorter below a sliding window of 64 or less)")
     gen.add_argument("--drafter", choices=DRAFTER_NAMES, default="combined")
-    gen.add_argument("--heads", choices=("medusa", "hydra", "eagle"),
-                     help="add draft heads (drafter heads*) or the feature draft (eagle; drafter feature*) to the pipeline")
+    gen.add_argument("--heads", choices=("medusa", "hydra", "feature", *_RENAMED),
+                     help="add draft heads (drafter heads*) or the feature draft (drafter feature*) to the pipeline")
     gen.add_argument("--heads-dir", help="a trained draft (default: the one shipped for the default model)")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as raw text (no chat template)")
     gen.add_argument("--do-sample", action="store_true", help="sample (seeded; lossless against one-node trees)")
@@ -378,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads, an exit adapter or a feature "
                            "draft (EAGLE-3 style) for a model")  # fmt: skip
     heads.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
-    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter", "eagle"), default="medusa")
+    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter", "feature", *_RENAMED), default="medusa")
     heads.add_argument("--out", required=True,
                        help="output directory (heads, exit_adapter or feature_draft .safetensors + .json)")
     heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
@@ -386,13 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--blocks", type=int, help="exit-adapter: residual MLP blocks (default 1)")
     heads.add_argument("--inner-size", type=int, help="exit-adapter: each block's MLP width (default 1536)")
     heads.add_argument("--chain-steps", type=int,
-                       help="eagle: draft steps trained at once on the draft's own states (default 4)")
+                       help="feature: draft steps trained at once on the draft's own states (default 4)")
     heads.add_argument("--sequences", type=int,
-                       help="eagle: whole sequences per optimizer step (default 8; the GPU recipe 32)")
+                       help="feature: whole sequences per optimizer step (default 8; the GPU recipe 32)")
     heads.add_argument("--prompts", type=int,
                        help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000, "
-                       "eagle 1000)")
-    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2; eagle 4)")
+                       "feature 1000)")
+    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2; feature 4)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 128)")
     heads.add_argument("--seed", type=int, help="(default 0)")
     heads.add_argument("--held-out", type=int,
@@ -400,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--draft-vocab", type=int,
                        help="tokens the heads may propose: the most frequent of the corpus (default 8192; 0: all)")
     heads.add_argument("--resume", metavar="DIR",
-                       help="eagle: train this model's feature draft in DIR further (a new schedule of --epochs)")
+                       help="feature: train this model's feature draft in DIR further (a new schedule of --epochs)")
     heads.add_argument("--corpus", help="file caching the generated training corpus (read if present, else written)")
     heads.add_argument("--device", default="cpu", help="where the model generates and the heads train: cpu or cuda")
     heads.set_defaults(run=cmd_train_heads)
@@ -434,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     kv.add_argument("--out", default="benchmarks/results")
     kv.set_defaults(run=cmd_eval_kv)
     args = parser.parse_args(argv)
+    _rename(args)
     from .common.errors import SpecpassError
 
     try:

@@ -32,7 +32,7 @@ from specpass.research.heads_training import Continuation, generate_corpus
 from specpass.research.bench import run_identity, write_report
 from specpass.research.training_prompts import held_out_prompts, training_modules
 
-SHIPPED = shipped_heads("eagle")  # the shipped feature draft
+SHIPPED = shipped_heads("feature")  # the shipped feature draft
 
 
 def text_chunks(tokenizer, count: int, chunk: int, seed: int = 0) -> list[torch.Tensor]:

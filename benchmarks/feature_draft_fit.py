@@ -36,7 +36,7 @@ def _summary(accuracy) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("drafts", nargs="+", help="feature-draft directories (specpass train-heads --kind eagle)")
+    parser.add_argument("drafts", nargs="+", help="feature-draft directories (specpass train-heads --kind feature)")
     parser.add_argument("--train", type=int, default=64)
     parser.add_argument("--held-out", type=int, default=32)
     parser.add_argument("--out-dir", default="benchmarks/results")

@@ -18,7 +18,7 @@ prompts = [P.encode_code(tok, p) for p in P.code_prompts(4, 0)] + [P.encode_chat
 CONFIGS = [("hydra", None), (6, 8), (3, 4), (2, 4), (3, 8), (4, 4), ("hydra", None), (3, 4)]
 for depth, beam in CONFIGS:
     if depth == "hydra":
-        opts = {"pipeline": specpass.Pipeline(TreeAttention(64), DraftHeads(kind="hydra")),
+        opts = {"pipeline": specpass.Pipeline(TreeAttention(64), DraftHeads(design="hydra")),
                 "drafter": Combined(Heads(), PromptLookup(), TokenRecycling())}
     else:
         opts = {"pipeline": specpass.Pipeline(TreeAttention(64), FeatureDraft()),

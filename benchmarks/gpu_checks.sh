@@ -8,7 +8,7 @@
 #   feature  specpass bench: the feature draft's rows beside Hydra + combined, float32 (~3 min)
 #   batch    benchmarks/batch.py: inductor, B = 32 8 1, bf16, HF static + compile in the same run (~5 min)
 #   step     benchmarks/gpu_step.py: the one-token step and the 8B-shaped decode against its floor (~3 min)
-#   eagle    the feature draft's GPU recipe (train-heads --kind eagle --device cuda), a call of its own;
+#   feature-train  the feature draft's GPU recipe (train-heads --kind feature --device cuda), a call of its own;
 #            the draft comes back in 15 MiB parts (here: cat feature_draft.part-* > feature_draft.safetensors)
 set -uo pipefail
 OUT=${OUT:-out}
@@ -36,9 +36,9 @@ for name in "$@"; do
     batch) phase batch 330 python3 benchmarks/batch.py --device cuda --dtype bfloat16 --prompts 16 --batches 32 8 1 \
       --max-batches 1 --no-alone-reference --lowering inductor --out-dir "$OUT" ;;
     step) phase step 240 python3 benchmarks/gpu_step.py --shapes 135m 8b --dtypes bfloat16 --lowerings inductor --out "$OUT" ;;
-    eagle) phase eagle 540 python3 -m specpass.cli train-heads --kind eagle --prompts 100000 --epochs 8 --sequences 32 \
-      --device cuda --out /tmp/eagle --corpus /tmp/eagle-corpus.pt  # a second call trains from the cached corpus
-      cp /tmp/eagle/*.json "$OUT/" && split -b 15M /tmp/eagle/feature_draft.safetensors "$OUT/feature_draft.part-" ;;  # 16 MiB a file comes back
+    feature-train) phase feature-train 540 python3 -m specpass.cli train-heads --kind feature --prompts 100000 --epochs 8 --sequences 32 \
+      --device cuda --out /tmp/feature --corpus /tmp/feature-corpus.pt  # a second call trains from the cached corpus
+      cp /tmp/feature/*.json "$OUT/" && split -b 15M /tmp/feature/feature_draft.safetensors "$OUT/feature_draft.part-" ;;  # 16 MiB a file comes back
     *) echo "unknown phase $name" >&2; exit 2 ;;
   esac
 done

@@ -244,8 +244,8 @@ class PerRowDrafting(RowsDrafting):
         for row in self.rows:
             for session in row.sessions:
                 by_class.setdefault(type(session), []).append(session)
-        for kind, sessions in by_class.items():
-            kind.draft_rows(sessions)
+        for session_class, sessions in by_class.items():
+            session_class.draft_rows(sessions)
         trees = []
         for b, (row, tokens, depth) in enumerate(zip(self.rows, histories, max_depths, strict=True)):
             with self.drafting_row(b):  # a self-draft writes its chain's lower layers in this row

@@ -65,7 +65,7 @@ class Heads(Drafter):
         if draft is None or draft.spec.kind != HEADS_KIND:
             found = "no draft graph" if draft is None else f"a {draft.spec.kind!r} draft graph"
             raise InvalidParameterError(
-                f"the Heads drafter needs draft heads in the pipeline (it has {found}): add rewrites.DraftHeads(kind=...)"
+                f"the Heads drafter needs draft heads in the pipeline (it has {found}): add rewrites.DraftHeads(design=...)"
             )
         return HeadsSession(self, draft, prefill.hidden[-1], int(prefill.choices[-1]), seed)
 
@@ -89,7 +89,7 @@ class HeadsSession(DraftSession):
     def candidates(self, tokens: Sequence[int]):
         if tokens[-1] != self.root:
             raise AssertionError("the heads session lost track of the root")  # the decode loop's contract
-        if self.heads.kind == "hydra":
+        if self.heads.design == "hydra":
             return CandidateTable(self._hydra(), (self.root,), by_path=True)
         return CandidateTable(self._medusa(), (0,), by_path=False)
 

@@ -2,10 +2,10 @@
 (the trainers are in `research/`)."""
 
 from .io import HeadsMismatchError, load_heads, model_fingerprint, save_heads, shipped_heads
-from .modules import KINDS, DraftStep, HeadsConfig, HydraHeads, MedusaHeads, make_heads
+from .modules import DESIGNS, DraftStep, HeadsConfig, HydraHeads, MedusaHeads, make_heads
 
 __all__ = [
-    "KINDS",
+    "DESIGNS",
     "DraftStep",
     "HeadsConfig",
     "HeadsMismatchError",

@@ -38,10 +38,14 @@ def model_fingerprint(lm_head: nn.Module) -> str:
     return f"{weight.shape[0]}x{weight.shape[1]}-{digest}"
 
 
-def shipped_heads(kind: str) -> str:
-    """Directory of the heads (kind "medusa", "hydra") or exit adapter ("exit_adapter") shipped for the
-    embedded default model."""
-    return str(importlib.resources.files("specpass") / "data" / "heads" / kind)
+SHIPPED = ("medusa", "hydra", "exit_adapter", "feature")  # the drafts shipped for the embedded default model
+
+
+def shipped_heads(name: str) -> str:
+    """Directory of the draft `name` (one of SHIPPED) shipped for the embedded default model."""
+    if name not in SHIPPED:
+        raise ValueError(f"no shipped draft {name!r}; the shipped ones are {', '.join(SHIPPED)}")
+    return str(importlib.resources.files("specpass") / "data" / "heads" / name)
 
 
 def save_module(module: nn.Module, config, directory: str, weights: str, config_name: str,
@@ -129,8 +133,7 @@ HEADS_HINT = "train them again with `specpass train-heads --kind medusa|hydra --
 def read_config(directory: str) -> HeadsConfig:
     data = read_json(directory, CONFIG, "draft heads", HEADS_HINT)
     try:
-        data["accuracy"] = tuple(tuple(row) for row in data.get("accuracy", ()))
-        return HeadsConfig(**data)
+        return HeadsConfig.from_dict(data)
     except (TypeError, ValueError) as exc:
         raise DamagedFileError(f"{os.path.join(directory, CONFIG)} is not a heads config ({exc}); {HEADS_HINT}") from None
 
@@ -143,7 +146,7 @@ def load_heads(directory: str, lm_head: nn.Module) -> tuple[nn.Module, HeadsConf
 
 FEATURE_WEIGHTS = "feature_draft.safetensors"
 FEATURE_CONFIG = "feature_draft.json"
-FEATURE_HINT = "train one again with `specpass train-heads --kind eagle --out DIR` (the shipped one: reinstall specpass)"
+FEATURE_HINT = "train one again with `specpass train-heads --kind feature --out DIR` (the shipped one: reinstall specpass)"
 
 
 def save_feature_draft(draft: nn.Module, config, directory: str, dtype: torch.dtype = torch.float16) -> None:

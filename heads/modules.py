@@ -18,18 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("medusa", "hydra")
+DESIGNS = ("medusa", "hydra")  # the heads' designs, by their papers
 
 
 @dataclass(frozen=True)
 class HeadsConfig:
-    """What a set of trained heads is: kind, K, the model it belongs to, and how accurate it measured.
+    """What a set of trained heads is: design, K, the model it belongs to, and how accurate it measured.
 
     accuracy[k][r]: on held-out data, how often head k+1's rank-r token was the target's greedy token
     (given, for Hydra, the target's own earlier tokens). Static trees are built from it.
     """
 
-    kind: str
+    design: str
     num_heads: int
     hidden_size: int
     vocab_size: int
@@ -38,10 +38,18 @@ class HeadsConfig:
     draft_vocab: int = 0  # tokens the heads may propose (module docstring); 0: the whole vocabulary
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown head kind {self.kind!r}; choose one of {KINDS}")
+        if self.design not in DESIGNS:
+            raise ValueError(f"unknown heads design {self.design!r}; choose one of {DESIGNS}")
         if not 0 <= self.draft_vocab < self.vocab_size:
             raise ValueError(f"draft_vocab must be in [0, vocab_size), got {self.draft_vocab}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HeadsConfig:
+        """From its JSON form (heads.json, an export's manifest); "kind" is design's name before 0.2."""
+        data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())))
+        if "kind" in data and "design" not in data:
+            data["design"] = data.pop("kind")
+        return cls(**data)
 
 
 class MedusaHeads(nn.Module):
@@ -80,7 +88,7 @@ class HydraHeads(nn.Module):
 def make_heads(config: HeadsConfig, draft_vocab: torch.Tensor | None = None) -> nn.Module:
     """Untrained heads for `config`; with config.draft_vocab, they hold the ids `draft_vocab`
     [config.draft_vocab] as a buffer (zeros until given or loaded)."""
-    cls = MedusaHeads if config.kind == "medusa" else HydraHeads
+    cls = MedusaHeads if config.design == "medusa" else HydraHeads
     heads = cls(config.num_heads, config.hidden_size)
     if config.draft_vocab:
         if draft_vocab is None:

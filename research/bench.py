@@ -28,7 +28,7 @@ from ..models import DEFAULT_MODEL_NAME, load_default_model
 from ..passes import Pipeline
 
 BASELINES = ("hf_greedy", "hf_static_compile", "hf_prompt_lookup", "hf_early_exit")
-# specpass rows: (drafter, the shipped draft in the pipeline: heads "medusa" / "hydra" (DraftHeads) or "eagle"
+# specpass rows: (drafter, the shipped draft in the pipeline: heads "medusa" / "hydra" (DraftHeads) or "feature"
 # (FeatureDraft), TreeAttention max_nodes, budget). specpass_greedy
 # verifies one-node trees: plain greedy decoding through the same lowering, which separates what the
 # lowering buys from what speculation buys. budget "cost": tree size per step from the measured cost curve;
@@ -45,10 +45,10 @@ SPECPASS_ROWS = {
     "specpass_hydra_64": ("heads", "hydra", 64, 64),
     "specpass_hydra_combined": ("heads-combined", "hydra", 64, "cost"),
     "specpass_hydra_combined_64": ("heads-combined", "hydra", 64, 64),
-    "specpass_feature": ("feature", "eagle", 64, "cost"),
-    "specpass_feature_64": ("feature", "eagle", 64, 64),
-    "specpass_feature_combined": ("feature-combined", "eagle", 64, "cost"),
-    "specpass_feature_combined_64": ("feature-combined", "eagle", 64, 64),
+    "specpass_feature": ("feature", "feature", 64, "cost"),
+    "specpass_feature_64": ("feature", "feature", 64, 64),
+    "specpass_feature_combined": ("feature-combined", "feature", 64, "cost"),
+    "specpass_feature_combined_64": ("feature-combined", "feature", 64, 64),
 }
 NOTES = (
     "tau = new tokens / target forwards, prefill included, for every method. specpass rows use the default "
@@ -253,10 +253,10 @@ def run_benchmark(prompts_per_set=10, max_new_tokens=128, out_dir="benchmarks/re
         if name not in chosen:
             continue
         passes = [rewrites.TreeAttention(max_nodes=max_nodes)]
-        if draft == "eagle":
+        if draft == "feature":
             passes.append(rewrites.FeatureDraft())
         elif draft is not None:
-            passes.append(rewrites.DraftHeads(kind=draft))
+            passes.append(rewrites.DraftHeads(design=draft))
         pipeline = Pipeline(*passes)
         options = {"drafter": drafter_by_name(drafter), "pipeline": pipeline, "budget": budget}
         program = compile_program(torch.compile(model, backend="specpass", options=options))
@@ -350,7 +350,7 @@ def _cost_curves(model, device: torch.device, skipped: dict) -> tuple[dict, dict
             skipped[f"cost_curve_{lowering}"] = str(exc)
             continue
         if lowering == "auto":
-            kernels = {str(n): "/".join(program.step.run.kinds) for n in curve.sizes}
+            kernels = {str(n): program.step.run.lowering for n in curve.sizes}
         measured[lowering] = curve
     curves = {
         name: {"tree_size": list(c.sizes), "seconds": [round(s, 5) for s in c.seconds],

@@ -38,14 +38,14 @@ from torch import nn
 
 from ..common.errors import InvalidParameterError, require_positive_ints
 from ..heads.io import model_fingerprint, save_heads
-from ..heads.modules import KINDS, HeadsConfig, draft_vocabulary, make_heads
+from ..heads.modules import DESIGNS, HeadsConfig, draft_vocabulary, make_heads
 
 TEACHER_TOP = 32  # the teacher's law is kept as its top-32 probabilities (renormalised)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    kind: str = "medusa"
+    design: str = "medusa"
     num_heads: int = 4
     prompts: int = 2000  # the first training_prompts (of 14298 under Python 3.11, networkx 3.6, sympy 1.14)
     max_new_tokens: int = 128
@@ -58,8 +58,8 @@ class TrainConfig:
     draft_vocab: int = 8192  # tokens the heads may propose (0, or the vocabulary's size or more: all)
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise InvalidParameterError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.design not in DESIGNS:
+            raise InvalidParameterError(f"design must be one of {DESIGNS}, got {self.design!r}")
         require_positive_ints(self, ("num_heads", "prompts", "max_new_tokens", "epochs", "batch_size", "ranks", "held_out"))
         if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
             raise InvalidParameterError(f"draft_vocab must be an int >= 0, got {self.draft_vocab!r}")
@@ -309,7 +309,7 @@ def train_heads(model: nn.Module, corpus: list[Continuation], held_out: list[Con
         raise InvalidParameterError("the corpus has no position with all head targets; generate longer sequences")
     vocab, hidden_size = lm_weight.shape
     draft_vocab = config.draft_vocab if config.draft_vocab < vocab else 0
-    identity = HeadsConfig(config.kind, k, hidden_size, vocab, model_fingerprint(model.lm_head),
+    identity = HeadsConfig(config.design, k, hidden_size, vocab, model_fingerprint(model.lm_head),
                            draft_vocab=draft_vocab)  # fmt: skip
     vocab_ids = draft_vocabulary([seq.tokens for seq in corpus], vocab, draft_vocab) if draft_vocab else None
     heads = make_heads(identity, vocab_ids).to(device).train()
@@ -318,7 +318,7 @@ def train_heads(model: nn.Module, corpus: list[Continuation], held_out: list[Con
     optimizer, schedule = cosine_adamw(heads.parameters(), config.lr, steps)
     generator = torch.Generator().manual_seed(config.seed)
     losses: list[float] = []
-    bar = tqdm(total=steps, desc=f"training {k} {config.kind} heads", disable=not progress)
+    bar = tqdm(total=steps, desc=f"training {k} {config.design} heads", disable=not progress)
     for _ in range(config.epochs):
         order = positions[torch.randperm(len(positions), generator=generator)]
         for batch in order.split(config.batch_size):

@@ -13,6 +13,8 @@ once, checked against the LM head), never a copy of the whole head (`verify`). T
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -30,26 +32,32 @@ DRAFT_HEADS = "draft_heads"
 
 @dataclass(frozen=True)
 class DraftHeads(DraftGraphPass):
-    """kind: "medusa" or "hydra"; heads: a `specpass train-heads` directory, or "default" for the heads
-    shipped for the embedded default model."""
+    """design: "medusa" or "hydra" (the heads' paper); heads: a `specpass train-heads` directory, or
+    "default" for the heads shipped for the embedded default model. `kind` is design's name before
+    0.2 (accepted with a DeprecationWarning until then)."""
 
-    kind: str = "medusa"
+    design: str = "medusa"
     heads: str = "default"
+    kind: dataclasses.InitVar[str | None] = None
 
     ensures = frozenset({DRAFT_HEADS})
 
-    def __post_init__(self):
-        from ..heads.modules import KINDS
+    def __post_init__(self, kind: str | None):
+        from ..heads.modules import DESIGNS
 
-        if self.kind not in KINDS:
-            raise InvalidParameterError(f"DraftHeads.kind must be one of {KINDS}, got {self.kind!r}")
+        if kind is not None:
+            warnings.warn("DraftHeads(kind=...) is DraftHeads(design=...) now; `kind` goes in 0.2", DeprecationWarning,
+                          stacklevel=3)  # fmt: skip
+            object.__setattr__(self, "design", kind)
+        if self.design not in DESIGNS:
+            raise InvalidParameterError(f"DraftHeads.design must be one of {DESIGNS}, got {self.design!r}")
         if not isinstance(self.heads, str) or not self.heads:
             raise InvalidParameterError(f"DraftHeads.heads must be a directory or 'default', got {self.heads!r}")
 
     def directory(self) -> str:
         from ..heads.io import shipped_heads
 
-        return shipped_heads(self.kind) if self.heads == "default" else self.heads
+        return shipped_heads(self.design) if self.heads == "default" else self.heads
 
     def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype) -> ExportHook:
         """Nothing beside the step: any draft graph (ir.draft) is exported as draft.onnx."""
@@ -62,8 +70,8 @@ class DraftHeads(DraftGraphPass):
             config = read_config(self.directory())
         except (InvalidParameterError, TypeError, ValueError) as exc:
             return str(exc)
-        if config.kind != self.kind:
-            return f"the heads in {self.directory()} are {config.kind} heads, the pass asks for {self.kind}"
+        if config.design != self.design:
+            return f"the heads in {self.directory()} are {config.design} heads, the pass asks for {self.design}"
         return model_mismatch("heads", self.directory(), config.model, config.hidden_size, config.vocab_size, gm)
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
@@ -87,14 +95,13 @@ class DraftHeads(DraftGraphPass):
             outputs=(DraftTensor("logits", (ROWS, vocab), "model"), DraftTensor("vocab", (vocab,), "int64")),
             config=config,
         )
-        return draft, spec, f"{config.num_heads} {config.kind} heads"
+        return draft, spec, f"{config.num_heads} {config.design} heads"
 
     @classmethod
     def config_from_dict(cls, data: dict):
         from ..heads.modules import HeadsConfig
 
-        data = dict(data, accuracy=tuple(tuple(row) for row in data.get("accuracy", ())))
-        return HeadsConfig(**data)
+        return HeadsConfig.from_dict(data)
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """The draft graph reads the step's LM head itself (whole vocabulary) or exactly its rows of the

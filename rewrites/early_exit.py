@@ -31,7 +31,7 @@ from .ladder_residual import laddered_layers
 from .tree_attention import TREE_ATTENTION
 
 EARLY_EXIT = "early_exit"
-ADAPTER_KIND = "exit_adapter"  # the shipped adapter's directory under data/heads
+SHIPPED_ADAPTER = "exit_adapter"  # the shipped adapter's name (heads.io.shipped_heads)
 ADAPTER_MODULE = "exit_adapter"  # the draft graph's submodule holding the adapter
 TOKENS = "T"  # the step's token dimension in the spec
 
@@ -67,7 +67,7 @@ class EarlyExit(DraftGraphPass):
     def adapter_directory(self) -> str | None:
         from ..heads.io import shipped_heads
 
-        return shipped_heads(ADAPTER_KIND) if self.adapter == "default" else self.adapter
+        return shipped_heads(SHIPPED_ADAPTER) if self.adapter == "default" else self.adapter
 
     def check_draft(self, gm: torch.fx.GraphModule) -> str | None:
         layers = arch_of(gm).num_layers

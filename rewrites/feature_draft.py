@@ -31,7 +31,7 @@ FUSE_MODULE = "feature_fuse"  # the step's submodule: the draft's fuse
 
 @dataclass(frozen=True)
 class FeatureDraft(DraftGraphPass):
-    """draft: a `specpass train-heads --kind eagle` directory, or "default" for the draft shipped for
+    """draft: a `specpass train-heads --kind feature` directory, or "default" for the draft shipped for
     the embedded default model."""
 
     draft: str = "default"
@@ -45,7 +45,7 @@ class FeatureDraft(DraftGraphPass):
     def directory(self) -> str:
         from ..heads.io import shipped_heads
 
-        return shipped_heads("eagle") if self.draft == "default" else self.draft
+        return shipped_heads("feature") if self.draft == "default" else self.draft
 
     def export_hook(self, gm: torch.fx.GraphModule, arch, dtype: torch.dtype) -> ExportHook:
         """Nothing beside the step: the declared output is the step's, the draft graph is draft.onnx."""

@@ -310,7 +310,7 @@ def test_inductor_rows_equal_hf_greedy_alone():
     model = peaked_tiny_model()
     prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11, 8)]
     inductor = _program(model, 3, drafter=PromptLookup(), lowering="inductor")
-    assert inductor.step.run.kind == "inductor"
+    assert inductor.step.run.lowering == "inductor"
     out = decode(inductor, prompts, max_new_tokens=20, eos_token_ids=[])
     assert [list(t) for t in out.new_tokens] == [_hf_greedy(model, p, 20) for p in prompts]
 

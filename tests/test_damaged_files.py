@@ -25,11 +25,11 @@ def _garble(path: str) -> None:
         f.write("{")
 
 
-LOADERS = {"hydra": load_heads, "medusa": load_heads, "exit_adapter": load_exit_adapter, "eagle": load_feature_draft}
-HINTS = {"hydra": "train-heads", "medusa": "train-heads", "exit_adapter": "exit-adapter", "eagle": "train-heads --kind eagle"}
+LOADERS = {"hydra": load_heads, "medusa": load_heads, "exit_adapter": load_exit_adapter, "feature": load_feature_draft}
+HINTS = {"hydra": "train-heads", "medusa": "train-heads", "exit_adapter": "exit-adapter", "feature": "train-heads --kind feature"}
 FILES = {"hydra": ("heads.safetensors", "heads.json"), "medusa": ("heads.safetensors", "heads.json"),
          "exit_adapter": ("exit_adapter.safetensors", "exit_adapter.json"),
-         "eagle": ("feature_draft.safetensors", "feature_draft.json")}  # fmt: skip
+         "feature": ("feature_draft.safetensors", "feature_draft.json")}  # fmt: skip
 
 
 @pytest.mark.parametrize("damage", [_cut_short, _garble])

@@ -89,7 +89,7 @@ def test_saved_draft_loads_for_its_model_only(tmp_path):
     with pytest.raises(HeadsMismatchError, match="trained for model"):
         load_feature_draft(str(tmp_path), other)
     (tmp_path / "feature_draft.json").write_text("[1]")
-    with pytest.raises(DamagedFileError, match="specpass train-heads --kind eagle"):
+    with pytest.raises(DamagedFileError, match="specpass train-heads --kind feature"):
         load_feature_draft(str(tmp_path), lm_head)
 
 
@@ -178,14 +178,18 @@ def test_cli_refuses_options_of_other_kinds(capsys):
     """Refused before any model loads: one line naming the option, exit 2."""
     from specpass.cli import main
 
-    for args, message in ((("--kind", "eagle", "--heads", "3"), "--heads is for draft heads"),
+    for args, message in ((("--kind", "feature", "--heads", "3"), "--heads is for draft heads"),
                           (("--kind", "hydra", "--chain-steps", "3"), "--chain-steps, --sequences and --resume are for"),
                           (("--kind", "hydra", "--sequences", "32"), "--chain-steps, --sequences and --resume are for"),
                           (("--kind", "medusa", "--resume", "unused"), "--chain-steps, --sequences and --resume are for"),
-                          (("--kind", "eagle", "--sequences", "0"), "sequences must be a positive int"),
-                          (("--kind", "eagle", "--chain-steps", "0"), "steps must be a positive int")):  # fmt: skip
+                          (("--kind", "feature", "--sequences", "0"), "sequences must be a positive int"),
+                          (("--kind", "feature", "--chain-steps", "0"), "steps must be a positive int")):  # fmt: skip
         assert main(["train-heads", "--out", "unused", *args]) == 2
         assert message in capsys.readouterr().err
+    # the feature draft's old name still works for one release, with a note: here it reaches the same refusal
+    assert main(["train-heads", "--out", "unused", "--kind", "eagle", "--heads", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--kind eagle is now --kind feature" in err and "--heads is for draft heads" in err and "not --kind feature" in err
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def test_compiled_gguf_step_equals_the_gguf_step_op_by_op(monkeypatch, tmp_path)
     gm.k_cache.zero_()
     gm.v_cache.zero_()
     compiled = LOWERINGS["gguf-compiled"].build(gm, ctx)
-    assert compiled.kinds == ("gguf-compiled",)
+    assert compiled.lowering == "gguf-compiled"
     linears = [n for n in compiled.gm.graph.nodes if n.target is gguf_linear]
     assert len(linears) == len([n for n in op_by_op.gm.graph.nodes if n.target is gguf_linear]) == 2 * 7 + 1
     got = _run_prefix_and_tree(compiled)

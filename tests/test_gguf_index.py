@@ -21,7 +21,7 @@ def assert_same_as_gguf_reader(path: str) -> int:
     assert list(index.tensors) == [t.name for t in reader.tensors]
     for expected in reader.tensors:
         got = index.tensors[expected.name]
-        assert got.kind == expected.tensor_type.name
+        assert got.block_type == expected.tensor_type.name
         assert got.shape == tuple(int(n) for n in expected.shape)
         assert got.data.dtype == np.uint8 and got.data.shape[0] == int(np.prod(expected.shape[1:]))
         assert np.array_equal(got.data.reshape(-1), np.asarray(expected.data).view(np.uint8).reshape(-1))
@@ -55,7 +55,7 @@ def test_the_index_skips_every_metadata_value_type(tmp_path):
     writer.close()
     assert assert_same_as_gguf_reader(path) == 3
     index = read_index(path)
-    assert index.tensors["blk.0.attn_q.weight"].kind == "Q4_0" and index.tensors["blk.0.attn_q.weight"].shape == (64, 8)
+    assert index.tensors["blk.0.attn_q.weight"].block_type == "Q4_0" and index.tensors["blk.0.attn_q.weight"].shape == (64, 8)
 
 
 def test_files_that_are_not_gguf_are_refused(tmp_path):

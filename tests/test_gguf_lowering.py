@@ -66,7 +66,7 @@ def test_int4_planes_equal_the_dequantized_linear(kind, tokens):
     assert ((out - reference).abs() <= bound).all()
     rows, cols = blocks.codes.shape  # the classic layout bug: a block's two halves of 16 codes swapped
     swapped = blocks.codes.view(rows, cols // BLOCK, 2, BLOCK // 2).flip(2).reshape(rows, cols)
-    wrong = planes_of(type(blocks)(blocks.kind, swapped, blocks.scale, blocks.offset))
+    wrong = planes_of(type(blocks)(blocks.block_type, swapped, blocks.scale, blocks.offset))
     broken = gguf_linear(x, tuple(p for p, _ in wrong), tuple(s for _, s in wrong), bias)
     assert ((broken - reference).abs() > bound).float().mean() > 0.5
 
@@ -93,8 +93,8 @@ def test_default_model_blocks_equal_every_linear_weight(matched):
     _, gm, blocks = matched
     linears = {n.target for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), torch.nn.Linear)}
     assert set(blocks.weights) == linears and not blocks.unmatched
-    assert collections.Counter(b.kind for b in blocks.weights.values()) == {"Q4_1": 210, "Q8_0": 1}
-    assert blocks.weights["lm_head"].kind == "Q8_0"
+    assert collections.Counter(b.block_type for b in blocks.weights.values()) == {"Q4_1": 210, "Q8_0": 1}
+    assert blocks.weights["lm_head"].block_type == "Q8_0"
 
 
 def test_a_weight_changed_after_loading_is_left_to_float32(matched):
@@ -134,7 +134,7 @@ def test_gguf_greedy_differs_from_float32_only_at_near_ties(default_model, cases
     model, _ = default_model
     program = specpass.compile_program(model, {"lowering": lowering, "budget": 8})
     one_node = specpass.compile_program(model, {"lowering": lowering, "budget": 1})
-    assert program.step.run.kinds == one_node.step.run.kinds == (lowering,)
+    assert program.step.run.lowering == one_node.step.run.lowering == lowering
     assert program.report.invariance.passed  # checked at build, compiled steps included
     for ids, reference in (cases[0], cases[3]):  # a code prompt and a chat prompt
         new = reference.shape[1] - ids.shape[1]

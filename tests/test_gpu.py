@@ -23,7 +23,7 @@ def test_cuda_graph_step_equals_eager_step(lowering):
     gm, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(model, cache_size=512))
     eager, _, _ = lower(gm, "eager", torch.device("cuda"), 16, 512)
     graphed, _, _ = lower(gm, lowering, torch.device("cuda"), 16, 512)
-    assert graphed.kind == lowering
+    assert graphed.lowering == lowering
     prompt = torch.randint(0, 96, (1, 40), device="cuda")
     for step in (eager, graphed):  # same prefill in both
         step(prompt, SlotLayout.chain(0, 40, "cuda"))
@@ -100,7 +100,7 @@ def test_trainer_on_cuda_lowers_the_loss_and_saves_heads_the_cpu_loads(tmp_path)
     prompts = [torch.randint(3, 96, (1, 6), generator=gen) for _ in range(28)]
     corpus = generate_corpus(model.cuda(), prompts, max_new_tokens=24, progress=False)
     assert all(seq.hidden.device.type == "cpu" and len(seq.tokens) > 6 for seq in corpus)
-    config = TrainConfig(kind="hydra", num_heads=3, prompts=24, epochs=6, batch_size=16, lr=3e-3, held_out=4)
+    config = TrainConfig(design="hydra", num_heads=3, prompts=24, epochs=6, batch_size=16, lr=3e-3, held_out=4)
     heads, _, losses = train_heads(model, corpus[:24], corpus[24:], config, out_dir=str(tmp_path), progress=False)
     assert next(heads.parameters()).device.type == "cuda"
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5
@@ -114,7 +114,7 @@ def test_trainer_on_cuda_lowers_the_loss_and_saves_heads_the_cpu_loads(tmp_path)
 
 
 def test_feature_trainer_on_cuda_lowers_the_loss_and_saves_a_draft_the_cpu_loads(tmp_path):
-    """`train-heads --kind eagle --device cuda`: the corpus, the teacher and the training-time test run on
+    """`train-heads --kind feature --device cuda`: the corpus, the teacher and the training-time test run on
     the GPU; the saved draft loads on the CPU and drafts there as well as it did on the GPU (its
     held-out accuracy table within float16's rounding of the one measured on the GPU)."""
     from specpass.research.feature_training import measure_chain_accuracy
@@ -237,7 +237,7 @@ def test_batched_rows_in_cuda_graphs_equal_eager_rows(lowering):
     program, got = run(lowering, [eos])
     assert [s.finish_reason for s in expected.stats] == ["eos", "length", "length"]
     assert got.new_tokens == expected.new_tokens
-    assert program.step.run.kind == lowering
+    assert program.step.run.lowering == lowering
     replayed = {rows for rows, _, _ in program.step.run.graphs}
     assert {3, 2} <= replayed <= {3, 2, 1}  # the row buckets follow the live rows down
     if lowering == "inductor":

@@ -2,7 +2,9 @@
 
 import heapq
 import itertools
+import json
 import math
+import pathlib
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ def trained(tmp_path_factory):
     out = {}
     for kind, draft_vocab in (("medusa", 8192), ("hydra", 48)):
         directory = str(tmp_path_factory.mktemp(kind))
-        config = TrainConfig(kind=kind, num_heads=3, prompts=len(corpus), epochs=6, batch_size=16, lr=3e-3,
+        config = TrainConfig(design=kind, num_heads=3, prompts=len(corpus), epochs=6, batch_size=16, lr=3e-3,
                              held_out=4, draft_vocab=draft_vocab)  # fmt: skip
         heads, heads_config, losses = train_heads(model, corpus, held_out, config, out_dir=directory, progress=False)
         out[kind] = directory, heads, heads_config, losses
@@ -127,8 +129,24 @@ def test_pass_refusals_leave_the_graph_unchanged(trained):
     with pytest.raises(specpass.PassMismatchError, match="trained for model"):
         specpass.Pipeline(DraftHeads("medusa", out["medusa"][0])).run(other)
     assert other.graph.python_code("self").src == before and not hasattr(other, "draft")
-    with pytest.raises(specpass.InvalidParameterError, match="kind must be one of"):
+    with pytest.raises(specpass.InvalidParameterError, match="design must be one of"):
         DraftHeads("eagle")
+
+
+def test_the_heads_old_names_still_work_for_one_release(trained, tmp_path):
+    """`DraftHeads(kind=...)` (warned), a pipeline JSON naming `kind`, and a heads.json written with
+    "kind" all mean `design`."""
+    _, out, _ = trained
+    with pytest.warns(DeprecationWarning, match=r"DraftHeads\(design=...\)"):
+        old = DraftHeads(kind="hydra", heads=out["hydra"][0])
+    assert old == DraftHeads(design="hydra", heads=out["hydra"][0]) and old.design == "hydra"
+    with pytest.warns(DeprecationWarning):
+        parsed = specpass.Pipeline.from_dict({"passes": [{"pass": "DraftHeads", "params": {"kind": "hydra"}}]})
+    assert parsed.passes[0].design == "hydra" and '"design": "hydra"' in parsed.to_json() and "kind" not in parsed.to_json()
+    written = json.loads((pathlib.Path(out["hydra"][0]) / "heads.json").read_text())
+    written["kind"] = written.pop("design")  # as 0.1 wrote it
+    (tmp_path / "heads.json").write_text(json.dumps(written))
+    assert read_config(str(tmp_path)).design == "hydra"
 
 
 def test_hydra_path_drafted_level_by_level_equals_step_by_step(trained):
@@ -422,7 +440,7 @@ def test_export_with_heads_runs_losslessly_on_ort(trained, tmp_path):
     result = export(model, pipeline, str(tmp_path), progress=False)
     draft = result.manifest["draft"]
     assert draft["file"] == "draft.onnx" and draft["check_max_abs_diff"] < 1e-4
-    assert draft["spec"]["kind"] == "heads" and draft["spec"]["config"]["kind"] == "hydra"
+    assert draft["spec"]["kind"] == "heads" and draft["spec"]["config"]["design"] == "hydra"
     program = specpass.load_onnx(str(tmp_path), drafter=Combined(Heads(), PromptLookup()), cache_size=200)
     assert program.draft.config == out["hydra"][2]
     for seed in range(3):
@@ -445,7 +463,7 @@ def test_cli_trains_heads_for_the_default_model(default_model, tmp_path, capsys)
     assert main(argv) == 0
     assert "wrote" in capsys.readouterr().out and (out / "heads.safetensors").exists()
     _, config = load_heads(str(out), default_model[0].lm_head)
-    assert config.kind == "hydra" and config.num_heads == 2 and len(config.accuracy) == 2
+    assert config.design == "hydra" and config.num_heads == 2 and len(config.accuracy) == 2
     assert main(argv) == 0  # the second run reads the cached corpus
     assert "corpus: 6 sequences from" in capsys.readouterr().out
 

@@ -286,7 +286,7 @@ def test_default_model_on_ort_equals_hf_greedy(default_export, cases):
 
     manifest = json.load(open(os.path.join(default_export, "manifest.json")))
     assert manifest["architecture"] == "LlamaForCausalLM" and max(manifest["check"]["max_abs_diff"].values()) < 1e-4
-    assert manifest["draft"]["spec"]["config"]["kind"] == "hydra" and manifest["draft"]["check_max_abs_diff"] < 1e-4
+    assert manifest["draft"]["spec"]["config"]["design"] == "hydra" and manifest["draft"]["check_max_abs_diff"] < 1e-4
     program = specpass.load_onnx(default_export, drafter=drafter_by_name("combined"), budget=16)  # no curve to measure
     for ids, reference in cases[::2]:
         out = specpass.generate(program, ids, max_new_tokens=NEW_TOKENS)

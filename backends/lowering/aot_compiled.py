@@ -39,12 +39,12 @@ EXAMPLE_TOKENS = 5  # the export's example T: a size no other dimension of the s
 class AotCompiledStep(EagerStep):
     """`EagerStep`'s interface over the AOTInductor package of `gm` (built or loaded at the first call)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, kind: str):
-        super().__init__(inplace_cache_writes(gm), kind=kind)
+    def __init__(self, gm: torch.fx.GraphModule, lowering: str):
+        super().__init__(inplace_cache_writes(gm), lowering=lowering)
         self.slots = self.gm.k_cache.shape[-2]  # the cache's slots a row
-        self.package_path = os.path.join(cache_dir(), "compiled", f"{kind}-{package_key(self.gm)}.pt2")
+        self.package_path = os.path.join(cache_dir(), "compiled", f"{lowering}-{package_key(self.gm)}.pt2")
         if not os.path.exists(self.package_path):  # refused when built, not at the first call
-            require_cpp_compiler(kind)
+            require_cpp_compiler(lowering)
         self.built_here: bool | None = None  # after the first call: compiled in this process (True) or loaded
         self._lengths = torch.empty(self.slots, dtype=torch.bool)  # kv_len as a tensor's length: a view of it
         self._compiled = None
@@ -60,7 +60,7 @@ class AotCompiledStep(EagerStep):
     def run_graph(self, inputs: dict):
         kv_len = inputs["kv_len"]
         if kv_len > self.max_attended:
-            raise InvalidParameterError(f"lowering {self.kind!r} attends over at most {self.max_attended} slots, "
+            raise InvalidParameterError(f"lowering {self.lowering!r} attends over at most {self.max_attended} slots, "
                                         f"asked {kv_len}")  # fmt: skip
         compiled = self._compiled or self._build()
         attended = max(kv_len, 2)  # the export starts at 2; a slot past the step's own is hidden by the mask
@@ -74,9 +74,9 @@ class AotCompiledStep(EagerStep):
                 compiled = self._load_existing()
                 self.built_here = compiled is None
                 if self.built_here:
-                    require_cpp_compiler(self.kind)
+                    require_cpp_compiler(self.lowering)
                     compile_package(self.gm, self.input_names, self.slots, self.package_path)
-                    drop_old_packages(os.path.dirname(self.package_path), self.kind)
+                    drop_old_packages(os.path.dirname(self.package_path), self.lowering)
                     compiled = load_package(self.package_path)
                 caches = {f"step.{name}": getattr(self.gm, name) for name in ("k_cache", "v_cache")}
                 missing = sorted(set(caches) - set(compiled.get_constant_fqns()))
@@ -156,13 +156,13 @@ def load_package(path: str):
     return AOTICompiledModel(loader)
 
 
-def drop_old_packages(folder: str, kind: str, keep: int = KEPT_PACKAGES) -> list[str]:
-    """Delete all but the `keep` most recently used packages of lowering `kind` in `folder` (another
+def drop_old_packages(folder: str, lowering: str, keep: int = KEPT_PACKAGES) -> list[str]:
+    """Delete all but the `keep` most recently used packages of lowering `lowering` in `folder` (another
     torch, another weight file or cache size each left one behind); returns the deleted paths. A
     process still running a deleted package keeps its mapped copy."""
     used = {}
     for name in os.listdir(folder):
-        if name.startswith(f"{kind}-") and name.endswith(".pt2") and ".partial." not in name:
+        if name.startswith(f"{lowering}-") and name.endswith(".pt2") and ".partial." not in name:
             with contextlib.suppress(FileNotFoundError):  # another process dropped it first
                 used[os.path.join(folder, name)] = os.path.getmtime(os.path.join(folder, name))
     old = sorted(used, key=used.__getitem__, reverse=True)[keep:]

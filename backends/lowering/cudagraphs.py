@@ -38,7 +38,7 @@ class CudaGraphStep:
 
     def __init__(self, eager, max_nodes: int, cache_size: int):
         self.eager = eager
-        self.kind = "cudagraphs" if eager.kind == "eager" else eager.kind
+        self.lowering = "cudagraphs" if eager.lowering == "eager" else eager.lowering
         self.device = eager.device
         self.input_names = eager.input_names
         self.max_nodes = max_nodes
@@ -46,10 +46,6 @@ class CudaGraphStep:
         self.cache_rows = eager.gm.k_cache.shape[1]  # [L, rows, KV, S, D]: sequences the cache holds
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self.pool = None
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return (self.kind,)
 
     def _bucket(self, layout: SlotLayout) -> tuple[int, int, int] | None:
         """(rows, tokens, attended slots) of the graph that replays `layout`, None to run it eagerly."""

@@ -91,7 +91,7 @@ class CudaGraphDraft:
             raise ValueError("a cache-sharing draft graph runs as a step, not by rows")
         self.eager, self.spec = eager, spec
         self.gm, self.device, self.input_names = eager.gm, eager.device, eager.input_names
-        self.kind = "cudagraphs"
+        self.lowering = "cudagraphs"
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self.pool = None
 

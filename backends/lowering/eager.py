@@ -20,15 +20,11 @@ class EagerStep:
     min_rows = 1  # likewise the fewest rows, in a program whose cache holds several
     max_attended: int | None = None  # the longest attended length the step runs (None: the whole cache)
 
-    def __init__(self, gm: torch.fx.GraphModule, kind: str = "eager"):
+    def __init__(self, gm: torch.fx.GraphModule, lowering: str = "eager"):
         self.gm = gm
-        self.kind = kind
+        self.lowering = lowering  # its name in backends.lowering.registry.LOWERINGS
         self.input_names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
         self.device = next(iter([*gm.parameters(), *gm.buffers()]), torch.empty(0)).device
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return (self.kind,)
 
     @torch.no_grad()
     def run_graph(self, inputs: dict):

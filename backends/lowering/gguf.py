@@ -36,7 +36,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def planes_of(blocks: BlockWeight) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(packed codes [N, K/2] uint8, scale_zero [K/32, N, 2] bfloat16)], summed by gguf_linear."""
-    if blocks.kind == "Q8_0":
+    if blocks.block_type == "Q8_0":
         shifted = blocks.codes.int() + 128  # 0..255 = 16 h + l
         scale = blocks.scale
         return [_plane(shifted // 16, 16 * scale, torch.zeros_like(scale)), _plane(shifted % 16, scale, 8 * scale)]

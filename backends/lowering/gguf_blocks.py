@@ -32,7 +32,7 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 class BlockWeight:
     """One linear weight as GGUF blocks: w[n, k] = scale[n, k // 32] * codes[n, k] + offset[n, k // 32]."""
 
-    kind: str  # "Q4_0", "Q4_1" or "Q8_0"
+    block_type: str  # "Q4_0", "Q4_1" or "Q8_0"
     codes: torch.Tensor  # [N, K] int16: 0..15 (Q4_*) or -128..127 (Q8_0)
     scale: torch.Tensor  # [N, K / 32] float32 (float16 values)
     offset: torch.Tensor  # [N, K / 32] float32 (float16 values; Q4_0: -8 d; Q8_0: 0)
@@ -54,23 +54,23 @@ class MatchedBlocks:
     unmatched: dict[str, str]  # call_module target -> the reason
 
 
-def parse_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> BlockWeight:
+def parse_blocks(block_type: str, raw: np.ndarray, rows: int, cols: int) -> BlockWeight:
     """A BlockWeight from GGUF's raw bytes [rows, cols / 32 * bytes per block] (uint8)."""
-    if kind not in BLOCK_BYTES:
-        raise InvalidParameterError(f"GGUF block type {kind} is not supported; supported: {sorted(BLOCK_BYTES)}")
+    if block_type not in BLOCK_BYTES:
+        raise InvalidParameterError(f"GGUF block type {block_type} is not supported; supported: {sorted(BLOCK_BYTES)}")
     if cols % BLOCK:
-        raise InvalidParameterError(f"a {kind} weight needs a multiple of {BLOCK} inputs, got {cols}")
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, BLOCK_BYTES[kind])  # [N, K/32, bytes]
+        raise InvalidParameterError(f"a {block_type} weight needs a multiple of {BLOCK} inputs, got {cols}")
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, BLOCK_BYTES[block_type])  # [N, K/32, bytes]
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
-    if kind == "Q8_0":
+    if block_type == "Q8_0":
         codes = blocks[..., 2:].copy().view(np.int8).astype(np.int16)  # [N, K/32, 32]
         offset = np.zeros_like(d)
     else:
-        start = 4 if kind == "Q4_1" else 2
+        start = 4 if block_type == "Q4_1" else 2
         packed = blocks[..., start:]  # [N, K/32, 16]: low nibbles are inputs 0..15, high nibbles 16..31
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int16)  # [N, K/32, 32]
-        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else -8 * d
-    return BlockWeight(kind, torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(d),
+        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if block_type == "Q4_1" else -8 * d
+    return BlockWeight(block_type, torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(d),
                        torch.from_numpy(np.ascontiguousarray(offset)))  # fmt: skip
 
 
@@ -105,17 +105,17 @@ def match_blocks(path: str, gm: torch.fx.GraphModule, num_heads: int, num_kv_hea
         if tensor is None:
             unmatched[node.target] = "no GGUF tensor of that name"
             continue
-        kind = tensor.kind
-        if kind not in BLOCK_BYTES:
-            unmatched[node.target] = f"block type {kind} (supported: {', '.join(sorted(BLOCK_BYTES))})"
+        block_type = tensor.block_type
+        if block_type not in BLOCK_BYTES:
+            unmatched[node.target] = f"block type {block_type} (supported: {', '.join(sorted(BLOCK_BYTES))})"
             continue
         rows, cols = module.weight.shape
         if tuple(int(n) for n in reversed(tensor.shape)) != (rows, cols):  # GGUF lists shapes inner-first
             unmatched[node.target] = f"{tensor.name} is {list(reversed(tensor.shape))}, the weight {[rows, cols]}"
             continue
-        blocks = parse_blocks(kind, tensor.data, rows, cols)
+        blocks = parse_blocks(block_type, tensor.data, rows, cols)
         order = processor.process(weights=np.arange(rows)[:, None], name=tensor.name).weights[:, 0]
-        blocks = BlockWeight(kind, *(part[torch.from_numpy(np.ascontiguousarray(order))]
+        blocks = BlockWeight(block_type, *(part[torch.from_numpy(np.ascontiguousarray(order))]
                                      for part in (blocks.codes, blocks.scale, blocks.offset)))  # fmt: skip
         if not torch.equal(blocks.dequantize(), module.weight.detach().float()):
             unmatched[node.target] = f"{tensor.name} de-quantized differs from the weight"

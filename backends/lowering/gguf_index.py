@@ -31,7 +31,7 @@ class IndexedTensor:
     """One tensor of the file: `data` [rows, bytes a row] uint8, a read-only view of the mapped file."""
 
     name: str
-    kind: str  # the block type's name in gguf's GGMLQuantizationType: "Q4_0", "Q8_0", "F32", ...
+    block_type: str  # the block type's name in gguf's GGMLQuantizationType: "Q4_0", "Q8_0", "F32", ...
     shape: tuple[int, ...]  # innermost first, as GGUF lists it
     data: np.ndarray
 
@@ -81,12 +81,12 @@ def _parse(path: str, mapped: np.memmap) -> GGUFIndex:
     start = -(-header.offset // alignment) * alignment
     tensors = {}
     for name, type_id, shape, offset in infos:
-        kind = GGMLQuantizationType(type_id)
-        block, block_bytes = GGML_QUANT_SIZES[kind]
+        block_type = GGMLQuantizationType(type_id)
+        block, block_bytes = GGML_QUANT_SIZES[block_type]
         row_bytes = shape[0] // block * block_bytes
         rows = int(np.prod(shape[1:], dtype=np.int64))
         data = mapped[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
-        tensors[name] = IndexedTensor(name, kind.name, shape, data)
+        tensors[name] = IndexedTensor(name, block_type.name, shape, data)
     return GGUFIndex(architecture, tensors)
 
 

@@ -33,10 +33,10 @@ class InductorStep(EagerStep):
     min_tokens = 2
     min_rows = 2  # the same for rows: a batch down to its last live row still replays two (capped at the cache's rows)
 
-    def __init__(self, gm: torch.fx.GraphModule, kind: str = "inductor"):
-        super().__init__(inplace_cache_writes(gm), kind=kind)
+    def __init__(self, gm: torch.fx.GraphModule, lowering: str = "inductor"):
+        super().__init__(inplace_cache_writes(gm), lowering=lowering)
         if self.device.type == "cpu":
-            require_cpp_compiler(kind)
+            require_cpp_compiler(lowering)
         self.compiled = torch.compile(self.gm, fullgraph=True, dynamic=True)
 
     @torch.no_grad()

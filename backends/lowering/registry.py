@@ -36,7 +36,7 @@ class Step(Protocol):
     rows 0 .. B-1 and returns the graph's outputs (logits [B, T, V], hidden [B, T, H], ...);
     `run_graph(inputs)` takes the graph's inputs by name."""
 
-    kinds: tuple[str, ...]  # the lowering it runs
+    lowering: str  # the lowering it runs (its name in LOWERINGS)
     input_names: list[str]
     device: torch.device
 
@@ -80,12 +80,12 @@ def _onednn(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
             f"lowering 'onednn' needs float32 or bfloat16 on a CPU with oneDNN; the model is {gm.k_cache.dtype} "
             f"on {ctx.device}"
         )
-    return EagerStep(use_kernels(fuse_projections(gm), ctx.packed), kind="onednn")
+    return EagerStep(use_kernels(fuse_projections(gm), ctx.packed), lowering="onednn")
 
 
 def _gguf(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     """The linears with GGUF blocks on the int4 kernel at every size, the others on oneDNN's packed weights."""
-    return EagerStep(use_kernels(pack_gguf_linears(gm, ctx.planes), ctx.packed), kind="gguf")
+    return EagerStep(use_kernels(pack_gguf_linears(gm, ctx.planes), ctx.packed), lowering="gguf")
 
 
 def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
@@ -95,7 +95,7 @@ def _gguf_compiled(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
     custom ops inside the package (on the weights as they are: inductor takes no oneDNN-packed ones)."""
     from .aot_compiled import AotCompiledStep
 
-    return AotCompiledStep(use_kernels(pack_gguf_linears(gm, ctx.planes), compiled=True), kind="gguf-compiled")
+    return AotCompiledStep(use_kernels(pack_gguf_linears(gm, ctx.planes), compiled=True), lowering="gguf-compiled")
 
 
 def _inductor(gm: torch.fx.GraphModule, ctx: BuildContext) -> Step:
@@ -157,24 +157,24 @@ def lower(
     where the step's are (sharing them: its LM head, and for a resume graph its layers), and on the
     GGUF planes where the lowering reads them. On a GPU, where the verify step replays CUDA graphs, a
     draft graph called by rows replays too, bucketed by its named sizes (backends.lowering.draft_buckets)."""
-    kind = resolve_lowering(lowering, device, gm.k_cache.dtype)
-    if kind not in LOWERINGS:
-        raise InvalidParameterError(f"unknown lowering {kind!r}; known: {AUTO}, {', '.join(LOWERINGS)}")
-    reads_gguf = LOWERINGS[kind].reads_gguf
-    packs = kind in ("onednn", "gguf", "gguf-compiled") and onednn.available(device, gm.k_cache.dtype)
+    name = resolve_lowering(lowering, device, gm.k_cache.dtype)
+    if name not in LOWERINGS:
+        raise InvalidParameterError(f"unknown lowering {name!r}; known: {AUTO}, {', '.join(LOWERINGS)}")
+    reads_gguf = LOWERINGS[name].reads_gguf
+    packs = name in ("onednn", "gguf", "gguf-compiled") and onednn.available(device, gm.k_cache.dtype)
     ctx = BuildContext(device, max_nodes, cache_size, packed={} if packs else None,
                        planes=gguf_planes(gm) if reads_gguf else {})  # fmt: skip
-    step = LOWERINGS[kind].build(gm, ctx)
-    draft, resume = (_lower_side(g, ctx, kind) for g in (draft_graph(gm), resume_graph(gm)))
+    step = LOWERINGS[name].build(gm, ctx)
+    draft, resume = (_lower_side(g, ctx, name) for g in (draft_graph(gm), resume_graph(gm)))
     spec = draft_spec(gm)
-    if draft is not None and device.type == "cuda" and not spec.shares_cache and LOWERINGS[kind].replays:
+    if draft is not None and device.type == "cuda" and not spec.shares_cache and LOWERINGS[name].replays:
         draft = CudaGraphDraft(draft, spec)  # a draft by rows replays too (a cache-sharing one runs as a step)
     return step, draft, resume
 
 
-def _lower_side(graph: torch.fx.GraphModule | None, ctx: BuildContext, kind: str) -> EagerStep | None:
+def _lower_side(graph: torch.fx.GraphModule | None, ctx: BuildContext, lowering: str) -> EagerStep | None:
     if graph is None:
         return None
     if ctx.planes:
         graph = pack_gguf_linears(graph, ctx.planes)
-    return EagerStep(use_kernels(graph, ctx.packed), kind=kind)
+    return EagerStep(use_kernels(graph, ctx.packed), lowering=lowering)

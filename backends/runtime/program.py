@@ -43,7 +43,7 @@ def step_signature(program: SpeculativeProgram) -> tuple:
     dtypes, the rows its cache holds, the device and the thread count."""
     gm = getattr(program.step.run, "gm", program.step.graph_module)  # the lowered graph: its kernels
     tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in [*gm.named_parameters(), *gm.named_buffers()])
-    return program.step.run.kinds, gm.code, tensors, program.rows, str(program.device), torch.get_num_threads()
+    return program.step.run.lowering, gm.code, tensors, program.rows, str(program.device), torch.get_num_threads()
 
 
 @dataclass(frozen=True)
@@ -228,11 +228,11 @@ class SpeculativeProgram(DecodeProgram):
 
     def _check_batchable(self) -> None:
         """Refuse what a program of several rows does not run (see the class docstring)."""
-        kinds = set(self.step.run.kinds)
+        lowering = self.step.run.lowering
         reasons = []
-        batched = {name for name, lowering in LOWERINGS.items() if lowering.batches}
-        if not kinds <= batched:
-            reasons.append(f"the {'/'.join(sorted(kinds - batched))} lowering (use lowering='auto', or one of "
+        batched = {name for name, entry in LOWERINGS.items() if entry.batches}
+        if lowering not in batched:
+            reasons.append(f"the {lowering} lowering (use lowering='auto', or one of "
                            f"{', '.join(sorted(batched))})")  # fmt: skip
         reasons += [self.hooks.batch_refusal] if self.hooks.batch_refusal is not None else []
         if reasons:
@@ -242,7 +242,7 @@ class SpeculativeProgram(DecodeProgram):
     def _check_one_function(self) -> ProgramReport:
         """Run the invariance check (backends.runtime.invariance) where the device has invariant kernels;
         refuse the program, with what differed, where it fails."""
-        lowering = "/".join(self.step.run.kinds)
+        lowering = self.step.run.lowering
         kernels = kernel_set(self.device, self.k_cache.dtype)
         if kernels is None:
             return ProgramReport(self.step.report, lowering, f"no invariant kernels on {self.device.type} yet", None)
