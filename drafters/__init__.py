@@ -1,14 +1,14 @@
 """Drafters feeding the tree verifier: training-free (prompt lookup, token recycling, suffix drafting),
 draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
 
-from .base import (
-    Combined, Drafter, Drafting, DraftModel, DraftSession, PerRowDrafting, RootsOnly, RowsDrafting, TargetForward,
-    VerifiedRows, expected_tokens,
-)
+from .base import Combined, Drafter, Drafting, PerRowDrafting, expected_tokens
+from .chains import ChainDrafting
+from .contract import (
+    Chains, ChainSource, DraftModel, DraftSession, RootsOnly, RowsDrafting, TargetForward, VerifiedRows,
+)  # fmt: skip
 from .feature import Feature
 from .heads import Heads
 from .prompt_lookup import PromptLookup
-from .recycled_lookup import RecycledLookup, rows_drafting
 from .self_draft import SelfDraft
 from .suffix import Suffix
 from .token_recycling import TokenRecycling
@@ -23,6 +23,9 @@ def default_drafter() -> Drafter:
 
 __all__ = [
     "Candidate",
+    "ChainDrafting",
+    "ChainSource",
+    "Chains",
     "Combined",
     "DraftModel",
     "DraftSession",
@@ -38,7 +41,6 @@ __all__ = [
     "VerifiedRows",
     "Heads",
     "PromptLookup",
-    "RecycledLookup",
     "SelfDraft",
     "Suffix",
     "TokenRecycling",
@@ -47,5 +49,4 @@ __all__ = [
     "build_tree",
     "default_drafter",
     "expected_tokens",
-    "rows_drafting",
 ]

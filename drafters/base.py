@@ -1,125 +1,21 @@
-"""Drafter contract: a frozen config that starts a per-generation session proposing tree candidates."""
+"""Drafters: a frozen config that drafts a batch's rows (`rows`), at once where every member has a rows
+source (drafters.chains), else row by row through sessions and the best-first builder."""
 
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from .stats import AcceptanceStats
-from .tree import CandidateSource, DraftTree, build_tree
+from .chains import ChainSession, drafting_at_once
+from .contract import ChainSource, DraftModel, DraftSession, RowsDrafting, TargetForward
+from .tree import DraftTree, build_tree
 from .tree_rows import TreeRows
 from ..common.errors import InvalidParameterError
-from ..ir.draft import DraftGraphSpec
-
-
-@dataclass(frozen=True)
-class TargetForward:
-    """What a target forward tells the drafters about its T tokens (the prompt, or a verified tree)."""
-
-    topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token (raw logits)
-    hidden: torch.Tensor  # [T, H] on the model's device: final normed hidden states
-    choices: torch.Tensor  # [T] int64 on the CPU: the token the target chose after each token (greedy or sampled)
-    resumed: bool = False  # the forward resumed above an early exit from a session's precomputed states
-
-
-@dataclass(frozen=True)
-class VerifiedRows:
-    """What one verify forward tells the drafters about every row's tree (padding nodes' entries are
-    meaningless)."""
-
-    topk: torch.Tensor  # [B, T, k] int64 on the CPU
-    hidden: torch.Tensor  # [B, T, H] on the model's device
-    choices: torch.Tensor  # [B, T] int64 on the CPU: the target's choice after each node
-    resumed: bool = False
-
-    def row(self, b: int, size: int) -> TargetForward:
-        """Row b's first `size` nodes as a TargetForward."""
-        return TargetForward(self.topk[b, :size], self.hidden[b, :size], self.choices[b, :size], self.resumed)
-
-
-class RowsDrafting(ABC):
-    """The drafting of a batch's live rows during one generation: every step, one tree per row.
-
-    Row b of a call is the loop's live row b; `keep` follows the loop when rows finish."""
-
-    @abstractmethod
-    def draft(self, histories: Sequence[Sequence[int]], max_nodes: int, max_depths: Sequence[int]) -> TreeRows:
-        """Each row's tree rooted at its history's last token, at most max_nodes nodes and
-        max_depths[b] levels below the root."""
-
-    def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
-        """[B, T, H]: when every row's tree was already run through the layers below an early exit
-        (DraftSession.precomputed), those states (padding nodes' zeros); else None."""
-        return None
-
-    @abstractmethod
-    def observe(self, trees: TreeRows, verified: VerifiedRows, paths: Sequence[Sequence[int]],
-                histories: Sequence[Sequence[int]]) -> None:  # fmt: skip
-        """Learn from a verify step whose accepted paths (node indices, root first) are `paths`;
-        histories: each row's tokens up to and including its tree's root."""
-
-    @abstractmethod
-    def keep(self, rows: Sequence[int]) -> None:
-        """Only `rows` (ascending) go on, as rows 0, 1, ..."""
-
-
-class RootsOnly(RowsDrafting):
-    """One-node trees: nothing is drafted."""
-
-    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
-        return TreeRows.roots([h[-1] for h in histories])
-
-    def observe(self, trees, verified, paths, histories) -> None:
-        pass
-
-    def keep(self, rows) -> None:
-        pass
-
-
-class DraftModel(Protocol):
-    """A program's draft graph (ir.draft), as the decode loop hands it to the drafters: a drafter
-    drives the graphs whose `spec.kind` it knows (drafters.Heads: "heads")."""
-
-    spec: DraftGraphSpec
-
-    @property
-    def config(self) -> Any:
-        """spec.config: the draft graph's own config (heads: HeadsConfig)."""
-
-    def __call__(self, *args: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The spec's inputs (positionally in its order, or by name) -> the spec's outputs."""
-
-
-class DraftSession(ABC):
-    """State of one drafter during one generation."""
-
-    stats: AcceptanceStats
-
-    @abstractmethod
-    def candidates(self, tokens: Sequence[int]) -> CandidateSource:
-        """The source of candidates for the tree rooted at tokens[-1]."""
-
-    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
-        """Learn from a verify step of `tree` whose accepted nodes are `path`; tokens is the sequence
-        up to and including the tree's root."""
-
-    @classmethod
-    def draft_rows(cls, sessions: Sequence[DraftSession]) -> None:
-        """Prepare the next candidates of several rows' sessions of this class at once, ahead of their
-        candidates() calls (drafters.FeatureSession: one draft call per depth for every row). The
-        default does nothing: each session drafts in its own candidates()."""
-
-    def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
-        """[T, H]: when this session already ran every node of `tree` through the layers below an
-        early exit, in the node's own tree slot (drafters.SelfDraft), the states after them; the
-        verify step may then resume from there (and says so in TargetForward.resumed). None (the
-        default): the verify step runs every layer. No side effects: asking does not commit the loop."""
-        return None
 
 
 class Drafter(ABC):
@@ -144,14 +40,18 @@ class Drafter(ABC):
         accepts by the multi-candidate rule when it samples (backends.runtime.multi_candidate)."""
         return False
 
-    @abstractmethod
     def start(
         self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None,
         seed: int = 0,
     ) -> DraftSession:  # fmt: skip
-        """prefill: the target's forward over the prompt; memory: what `new_memory` made, carried over
-        from earlier generations (None: start cold); draft: the program's draft graph, if it has one;
-        seed: the generation's seed, for a drafter that draws its candidates at random."""
+        """One row's session. prefill: the target's forward over the prompt; memory: what `new_memory`
+        made, carried over from earlier generations (None: start cold); draft: the program's draft graph,
+        if it has one; seed: the generation's seed, for a drafter that draws its candidates at random.
+        The default serves a ChainSource's chains to the per-row builder (drafters.chains.ChainSession)."""
+        source = self.rows_source(memory)
+        if not isinstance(source, ChainSource):
+            raise NotImplementedError(f"{type(self).__name__} has neither a session (start) nor a chain source")
+        return ChainSession(source)
 
     def sessions(
         self, prompt: Sequence[int], prefill: TargetForward, memory: Any = None, draft: DraftModel | None = None,
@@ -159,14 +59,27 @@ class Drafter(ABC):
     ) -> list[DraftSession]:  # fmt: skip
         return [self.start(prompt, prefill, memory, draft, seed)]
 
+    def rows_source(self, memory: Any = None) -> Any:
+        """This drafter's part when every row is drafted at once by one compiled builder
+        (drafters.chains): a ChainSource, or Token Recycling's table (drafters.token_recycling.
+        SuccessorSource); None (the default): it drafts row by row, through its sessions."""
+        return None
+
+    def members(self, memory: Any = None) -> list[tuple[Drafter, Any]]:
+        """The drafters feeding one tree, each with its memory (Combined: its members)."""
+        return [(self, memory)]
+
     def rows(
         self, prompts: Sequence[Sequence[int]], prefills: Sequence[TargetForward], memory: Any = None,
         draft: DraftModel | None = None, seeds: Sequence[int] = (), drafting_row: Callable | None = None,
     ) -> RowsDrafting:  # fmt: skip
-        """The drafting of a batch: prompts and prefills per row, seeds per row (default 0), and
-        drafting_row(b), a context in which a cache-sharing draft graph drafts for row b. Each row
-        runs its own sessions (`sessions`) and the best-first builder; a drafter that drafts all rows
-        at once overrides this (drafters.rows_drafting picks prompt lookup and Token Recycling's)."""
+        """The drafting of a batch (the decode loop's one way to draft): prompts and prefills per row,
+        seeds per row (default 0), and drafting_row(b), a context in which a cache-sharing draft graph
+        drafts for row b. Where every member has a rows source, all rows are drafted at once
+        (drafters.chains); else each row runs its own sessions and the best-first builder."""
+        at_once = drafting_at_once([d.rows_source(m) for d, m in self.members(memory)], prompts, prefills)
+        if at_once is not None:
+            return at_once
         seeds = seeds or [0] * len(prompts)
         rows = [Drafting(self.sessions(p, f, memory, draft, s)) for p, f, s in zip(prompts, prefills, seeds, strict=True)]
         return PerRowDrafting(rows, drafting_row)
@@ -202,9 +115,11 @@ class Combined(Drafter):
     def start(self, prompt, prefill, memory=None, draft=None, seed=0):  # pragma: no cover - expanded by `sessions`
         raise TypeError("Combined drafters are started through sessions()")
 
+    def members(self, memory=None) -> list[tuple[Drafter, Any]]:
+        return list(zip(self.drafters, memory if memory is not None else (None,) * len(self.drafters), strict=True))
+
     def sessions(self, prompt, prefill, memory=None, draft=None, seed=0) -> list[DraftSession]:
-        memories = memory if memory is not None else (None,) * len(self.drafters)
-        return [d.start(prompt, prefill, m, draft, seed) for d, m in zip(self.drafters, memories)]
+        return [d.start(prompt, prefill, m, draft, seed) for d, m in self.members(memory)]
 
 
 class Drafting:
@@ -288,5 +203,4 @@ def check_params(owner: str, **params: object) -> None:
         _check_positive_int(owner, name, value)
 
 
-__all__ = ["Combined", "DraftModel", "DraftSession", "Drafter", "Drafting", "PerRowDrafting", "RootsOnly", "RowsDrafting",
-           "TargetForward", "VerifiedRows", "check_params", "expected_tokens"]
+__all__ = ["Combined", "Drafter", "Drafting", "PerRowDrafting", "check_params", "expected_tokens"]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Drafter, DraftModel, DraftSession, TargetForward, check_params
+from .base import Drafter, check_params
+from .contract import DraftModel, DraftSession, TargetForward
 from .heads import CandidateTable, HeadStats
 from .tree import DraftTree
 from ..common.errors import InvalidParameterError

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Drafter, DraftModel, DraftSession, TargetForward, check_params
+from .base import Drafter, check_params
+from .contract import DraftModel, DraftSession, TargetForward
 from .stats import AcceptanceStats, ProbabilityCalibration
 from .tree import Candidate, DraftLaw, Drawn, DrawnCandidate, DraftTree
 from ..common.errors import InvalidParameterError

@@ -1,14 +1,14 @@
 """Compiled host kernels for drafting every row of a batch: prompt lookup's matching and the best-first
-tree over prompt lookup and Token Recycling (numba, compiled on first call and cached on disk).
+tree over chain sources and Token Recycling's table (numba, compiled on first call and cached on disk).
 
 Why compiled: drafting is per-row, per-node work (a heap, a table lookup, a sibling check per
 candidate). In Python it cost as much as the whole forward of a small model at B = 32; array operations
 over rows pay their dispatch per tree depth instead and were no faster on the trees the loop drafts
 (docs/experiments.md, "Drafting every row at once"). vLLM's n-gram proposer is compiled the same way.
 
-`build_trees` is `drafters.tree.build_tree` over the sources prompt lookup then Token Recycling, for
-every row: the same candidates in the same order, the same scores, merges and ties, so a row's tree
-equals the one the per-row sessions build (tests/test_recycled_lookup.py).
+`build_trees` is `drafters.tree.build_tree` over the sources: the chains (drafters.chains), then Token
+Recycling, for every row: the same candidates in the same order, the same scores, merges and ties, so a
+row's tree equals the one the per-row sessions build (tests/test_chains.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ PAIR_MULTIPLIERS, PAIR_SHIFT = (0x85EBCA6B, 0x9E3779B1), 7  # Token Recycling's 
 @numba.njit(cache=True)
 def pair_slot(previous: int, token: int, slots: int) -> tuple[int, int]:
     """(key, slot) of the pair (previous, token) in a hashed table of `slots` (a power of two) slots
-    (token_recycling.SuccessorTable): the key is unique while ids < 2**32, nothing overflows while
+    (successor_table.SuccessorTable): the key is unique while ids < 2**32, nothing overflows while
     ids < 2**30."""
     key = (previous + 1) * (1 << 32) + token
     mixed = (previous + 1) * PAIR_MULTIPLIERS[0] + token * PAIR_MULTIPLIERS[1]
@@ -82,9 +82,9 @@ def lookup_branches(history, lengths, max_ngram, min_ngram, max_depth, max_branc
     return branches, matched
 
 
-PARENT, SOURCE, TOKEN, KEY, STATE = range(5)  # a pushed candidate's fields (STATE: prompt lookup's branch)
+PARENT, SOURCE, TOKEN, KEY, STATE = range(5)  # a pushed candidate's fields (STATE: the candidate's chain)
 ITEM_FIELDS = 5
-LOOKUP, RECYCLING = 0, 1  # the sources, in build_tree's order
+CHAIN, RECYCLING = 0, 1  # the sources, in build_tree's order
 
 
 class Heap(NamedTuple):
@@ -143,19 +143,19 @@ def _pop(heap):
 
 
 @numba.njit(cache=True)
-def build_trees(roots, previous, branches, matched, lookup_rates, key_base, by_token, pair_keys, by_pair,
-                token_rates, pair_rates, max_nodes, max_depths, max_match):  # fmt: skip
-    """Best-first trees (drafters.tree.build_tree) over prompt lookup's branches then Token Recycling's
-    successors, one per row.
+def build_trees(roots, previous, chains, chain_keys, divisors, rates, by_token, pair_keys, by_pair, max_nodes,
+                max_depths):  # fmt: skip
+    """Best-first trees (drafters.tree.build_tree) over the chains, then Token Recycling's successors,
+    one per row.
 
-    roots, previous [B]: each row's root and the token before it (-1: none); branches [B, M, D],
-    matched [B, M]: prompt lookup's (M = 0: no prompt lookup); lookup_rates [B, max_match + 1]: its
-    rate by match length, its stats key key_base + match length; by_token [V, k], pair_keys [P],
-    by_pair [P, k]: Token Recycling's table (V = 0: no Token Recycling); token_rates, pair_rates [B, k]:
-    its rate by rank, stats keys r and k + r. Returns tokens, parents, origins [B, N] int64, scores
-    [B, N] float64, sizes [B] int64, ancestors [B, N, N] bool, N = max_nodes (padding as in
-    drafters.tree_rows)."""
-    batch, count = branches.shape[0], branches.shape[1]
+    roots, previous [B]: each row's root and the token before it (-1: none); chains [B, M, D]: every
+    row's candidate chains from its root (-1 past a chain's end; M = 0: none), chain_keys [B, M, D]
+    each token's stats key, divisors [B, M] (a chain's first token's rate is divided by it); rates
+    [B, K]: each row's rate per stats key; by_token [V, k], pair_keys [P], by_pair [P, k]: Token
+    Recycling's table (V = 0: none), its stats keys r (token table, rank r) and k + r (pair table).
+    Returns tokens, parents, origins [B, N] int64, scores [B, N] float64, sizes [B] int64, ancestors
+    [B, N, N] bool, N = max_nodes (padding as in drafters.tree_rows)."""
+    batch, count = chains.shape[0], chains.shape[1]
     k = by_token.shape[1]
     tokens = np.zeros((batch, max_nodes), np.int64)
     parents = np.full((batch, max_nodes), -1, np.int64)
@@ -166,7 +166,7 @@ def build_trees(roots, previous, branches, matched, lookup_rates, key_base, by_t
     depths = np.zeros(max_nodes, np.int64)
     first_child = np.empty(max_nodes, np.int64)
     next_sibling = np.empty(max_nodes, np.int64)
-    lookup_done = np.zeros((max_nodes, max(count, 1)), np.bool_)
+    chain_done = np.zeros((max_nodes, max(count, 1)), np.bool_)
     recycling_done = np.zeros(max_nodes, np.bool_)
     capacity = (max_nodes * (count + 1) + 1) * (2 * k + count + 1) + 1
     heap = Heap(np.empty(capacity), np.empty(capacity, np.int64), np.empty((capacity, ITEM_FIELDS), np.int64),
@@ -175,17 +175,16 @@ def build_trees(roots, previous, branches, matched, lookup_rates, key_base, by_t
         tokens[b, 0], scores[b, 0], depths[0] = roots[b], 1.0, 0
         first_child[:] = -1
         next_sibling[:] = -1
-        lookup_done[:] = False
+        chain_done[:] = False
         recycling_done[:] = False
         size = 1
         heap.counts[:] = 0
-        root = np.int64(0)  # expanded by every source, every branch (typed int64: one compiled _expand)
+        root = np.int64(0)  # expanded by every source, every chain (typed int64: one compiled _expand)
         popped = np.full(ITEM_FIELDS, -1, np.int64)
-        for source in range(count + 1):  # prompt lookup's branches, then Token Recycling
-            popped[SOURCE], popped[STATE] = (LOOKUP, source) if source < count else (RECYCLING, 0)
-            _expand(b, root, popped, previous[b], tokens, scores, depths, lookup_done, recycling_done, max_depths,
-                    branches, matched, lookup_rates, key_base, max_match, by_token, pair_keys, by_pair, token_rates,
-                    pair_rates, heap)  # fmt: skip
+        for source in range(count + 1):  # the chains, then Token Recycling
+            popped[SOURCE], popped[STATE] = (CHAIN, source) if source < count else (RECYCLING, 0)
+            _expand(b, root, popped, previous[b], tokens, scores, depths, chain_done, recycling_done, max_depths,
+                    chains, chain_keys, divisors, rates, by_token, pair_keys, by_pair, heap)  # fmt: skip
         while heap.counts[0] > 0 and size < max_nodes:
             neg_score, popped = _pop(heap)
             parent, token = popped[PARENT], popped[TOKEN]
@@ -199,9 +198,8 @@ def build_trees(roots, previous, branches, matched, lookup_rates, key_base, by_t
                 origins[b, node], depths[node] = popped[KEY], depths[parent] + 1
                 next_sibling[node] = first_child[parent]
                 first_child[parent] = node
-            _expand(b, node, popped, tokens[b, parent], tokens, scores, depths, lookup_done, recycling_done, max_depths,
-                    branches, matched, lookup_rates, key_base, max_match, by_token, pair_keys, by_pair, token_rates,
-                    pair_rates, heap)  # fmt: skip
+            _expand(b, node, popped, tokens[b, parent], tokens, scores, depths, chain_done, recycling_done, max_depths,
+                    chains, chain_keys, divisors, rates, by_token, pair_keys, by_pair, heap)  # fmt: skip
         sizes[b] = size
         for i in range(max_nodes):
             if i > 0 and i < size:
@@ -211,22 +209,23 @@ def build_trees(roots, previous, branches, matched, lookup_rates, key_base, by_t
 
 
 @numba.njit(cache=True)
-def _expand(b, node, popped, before, tokens, scores, depths, lookup_done, recycling_done, max_depths, branches, matched,
-            lookup_rates, key_base, max_match, by_token, pair_keys, by_pair, token_rates, pair_rates, heap):  # fmt: skip
+def _expand(b, node, popped, before, tokens, scores, depths, chain_done, recycling_done, max_depths, chains, chain_keys,
+            divisors, rates, by_token, pair_keys, by_pair, heap):  # fmt: skip
     """Push the candidates after `node` of the source that proposed it (`popped`: its source and state),
     once per node and source state (build_tree's `expanded`); before: the token before the node."""
     if depths[node] >= max_depths[b]:
         return
     base = scores[b, node]
-    if popped[SOURCE] == LOOKUP:  # the next token of the node's branch
+    if popped[SOURCE] == CHAIN:  # the next token of the node's chain
         m = popped[STATE]
         offset = depths[node]
-        if lookup_done[node, m] or matched[b, m] == 0 or offset >= branches.shape[2] or branches[b, m, offset] < 0:
+        if chain_done[node, m] or offset >= chains.shape[2] or chains[b, m, offset] < 0:
             return
-        lookup_done[node, m] = True
-        match = min(matched[b, m] + offset, max_match)  # the match length the copied token extends
-        prob = lookup_rates[b, match] / (1 + m) if offset == 0 else lookup_rates[b, match]  # later occurrences: less likely
-        _push(heap, -base * prob, node, np.int64(LOOKUP), branches[b, m, offset], key_base + match, m)
+        chain_done[node, m] = True
+        key = chain_keys[b, m, offset]
+        prob = rates[b, key] / divisors[b, m] if offset == 0 else rates[b, key]
+        if prob > 0.0:  # as build_tree: a candidate the source gives no chance is not pushed
+            _push(heap, -base * prob, node, np.int64(CHAIN), chains[b, m, offset], key, m)
         return
     if recycling_done[node] or by_token.shape[0] == 0:
         return
@@ -238,7 +237,7 @@ def _expand(b, node, popped, before, tokens, scores, depths, lookup_done, recycl
             continue
         for r in range(k):
             successor = by_token[token, r] if table == 0 else by_pair[slot, r]
-            rate = token_rates[b, r] if table == 0 else pair_rates[b, r]
+            rate = rates[b, table * k + r]
             if successor >= 0 and rate > 0.0:
                 _push(heap, -base * rate, node, np.int64(RECYCLING), successor, table * k + r, np.int64(0))
 
@@ -278,7 +277,7 @@ def pair_rows(pair_keys, by_pair, previous, tokens):
 @numba.njit(cache=True)
 def learn(tokens, parents, origins, sizes, paths, lengths, root_previous, topk, tried, accepted, by_token, pair_keys,
           by_pair):  # fmt: skip
-    """What every row's verify step teaches (drafters.recycled_lookup): each drafted node whose parent
+    """What every row's verify step teaches (drafters.chains): each drafted node whose parent
     was accepted (paths: the rows' accepted paths one after another, lengths [B]) counts as tried
     under its stats key (origins, -1: none), and as accepted when on its path; and, when there is a
     table (by_token has rows for every token), every node's successors are the target's top-k after

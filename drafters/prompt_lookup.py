@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Drafter, DraftSession, check_params
-from .stats import AcceptanceStats
-from .tree import Candidate
+from .base import Drafter, check_params
+from .contract import ChainSource, Chains, DraftSession
+from .chains import ChainSession
 
 
 # P(copied token accepted | its parent was), by the match length it would extend (capped at MAX_MATCH).
@@ -47,6 +47,26 @@ class PromptLookup(Drafter):
     def start(self, prompt: Sequence[int], prefill, memory=None, draft=None, seed=0) -> DraftSession:
         return PromptLookupSession(self)
 
+    def rows_source(self, memory=None) -> ChainSource:
+        return LookupChains(self)
+
+
+class LookupChains(ChainSource):
+    """Every row's branches as chains (drafters.chains): stats key = the match length a token extends
+    (capped at MAX_MATCH); a later branch's first token is divided by 1 + its index, as a session's."""
+
+    priors = np.array([PRIORS.get(n, DEFAULT_PRIOR) for n in range(MAX_MATCH + 1)])
+
+    def __init__(self, config: PromptLookup):
+        self.config = config
+
+    def chains(self, history: np.ndarray, lengths: np.ndarray) -> Chains:
+        branches, matched = lookup_branches(history, lengths, self.config)  # [B, M, D], [B, M]
+        batch, count, depth = branches.shape
+        keys = np.minimum(matched[:, :, None] + np.arange(depth), MAX_MATCH)  # [B, M, D]
+        divisors = np.broadcast_to(1.0 + np.arange(count), (batch, count))  # [B, M]
+        return Chains(branches, keys, divisors)
+
 
 def lookup_branches(history: np.ndarray, lengths: np.ndarray, config: PromptLookup) -> tuple[np.ndarray, np.ndarray]:
     """Every row's continuations of earlier occurrences of its last n tokens, n = max_ngram .. min_ngram,
@@ -62,43 +82,16 @@ def lookup_branches(history: np.ndarray, lengths: np.ndarray, config: PromptLook
                                    config.max_branches)  # fmt: skip
 
 
-class PromptLookupSession(DraftSession):
-    """One row's branches for the best-first builder (when combined with a drafter that has no array
-    form; drafters.recycled_lookup drafts every row at once otherwise)."""
+class PromptLookupSession(ChainSession):
+    """One row's branches for the best-first builder (when combined with a drafter that has no rows
+    source; drafters.chains drafts every row at once otherwise)."""
 
     def __init__(self, config: PromptLookup):
+        super().__init__(LookupChains(config))
         self.config = config
-        # P(next copied token accepted | previous accepted), keyed by the matched n-gram length.
-        self.stats = AcceptanceStats(PRIORS, default=DEFAULT_PRIOR)
 
     def branches(self, tokens: Sequence[int]) -> list[tuple[int, list[int]]]:
         """(matched n, continuation) pairs, longest match and most recent occurrence first."""
         history = np.asarray(tokens, dtype=np.int64)[None, :]
         branches, matched = lookup_branches(history, np.array([history.shape[1]]), self.config)
         return [(int(n), [t for t in branch if t >= 0]) for n, branch in zip(matched[0].tolist(), branches[0].tolist()) if n > 0]
-
-    def candidates(self, tokens: Sequence[int]):
-        return _Branches(self.branches(tokens), self.stats)
-
-
-class _Branches:
-    def __init__(self, branches: list[tuple[int, list[int]]], stats: AcceptanceStats):
-        self.branches = branches
-        self.stats = stats
-
-    def _at(self, branch: int, offset: int) -> list[Candidate]:
-        """The branch's token at `offset` (none past its end); its state is (branch, offset)."""
-        n, tokens = self.branches[branch]
-        if offset >= len(tokens):
-            return []
-        match = min(n + offset, MAX_MATCH)  # the match length this token extends
-        rate = self.stats.rate(match)
-        prob = rate / (1 + branch) if offset == 0 else rate  # later occurrences: less likely
-        return [Candidate(tokens[offset], prob, match, (branch, offset))]
-
-    def root_candidates(self) -> list[Candidate]:
-        return [c for b in range(len(self.branches)) for c in self._at(b, 0)]
-
-    def child_candidates(self, token: int, state) -> list[Candidate]:
-        branch, offset = state
-        return self._at(branch, offset + 1)

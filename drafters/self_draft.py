@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DraftModel, Drafter, DraftSession, TargetForward, check_params
+from .base import Drafter, check_params
+from .contract import DraftModel, DraftSession, TargetForward
 from .depth_control import DepthController
 from .stats import AcceptanceStats
 from .tree import Candidate, DraftTree

@@ -15,7 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .base import Drafter, DraftSession, TargetForward, check_params
+from .base import Drafter, check_params
+from .contract import DraftSession, TargetForward
 from .stats import AcceptanceStats
 from .tree import Candidate, DraftTree
 

@@ -24,7 +24,7 @@ from .guard import one_generation_at_a_time
 from .program import DecodeProgram
 from .sampling import TargetChoice
 from .sequence import CacheCursor, SequenceState
-from ...drafters import RootsOnly, RowsDrafting, VerifiedRows, rows_drafting
+from ...drafters import RootsOnly, RowsDrafting, VerifiedRows
 from ...drafters.tree_rows import TreeRows, first_branches
 from ...common.errors import InvalidParameterError
 from ...ir.layout import SlotLayout
@@ -223,8 +223,7 @@ def _prefill(program: DecodeProgram, seqs: list[SequenceState], top_k: int) -> R
     if program.max_nodes == 1 or program.budget == 1:  # one-node trees: nothing to draft
         return RootsOnly()
     seeds = [s.choice.sampling.seed for s in seqs]
-    return rows_drafting(drafter, prompts, prefills, program.drafter_memory, program.draft, seeds,
-                         program.hooks.drafting_row)  # fmt: skip
+    return drafter.rows(prompts, prefills, program.drafter_memory, program.draft, seeds, program.hooks.drafting_row)
 
 
 def _room(program: DecodeProgram, cached: int) -> int:

@@ -1,5 +1,7 @@
-"""Drafting every row at once (drafters.recycled_lookup, drafters.kernels) equals each row's own sessions
+"""Drafting every row at once (drafters.chains, drafters.kernels) equals each row's own sessions
 and the best-first builder; acceptance over rows equals accept_greedy; the rows' tree arrays."""
+
+import pathlib
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from specpass.drafters import (
     Combined, Drafting, DraftTree, PromptLookup, TargetForward, TokenRecycling, TreeRows, VerifiedRows, accept_greedy,
 )  # fmt: skip
 from specpass.drafters.prompt_lookup import lookup_branches
-from specpass.drafters.recycled_lookup import RecycledLookup, recycled_lookup, rows_drafting
+from specpass.drafters.chains import ChainDrafting
 from specpass.drafters.tree_rows import first_branches
 
 
@@ -64,8 +66,8 @@ def test_rows_drafted_at_once_equal_each_rows_best_first_tree(drafters):
     drafter = Combined(*parts)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (12, 5, 20, 2)]
     prefills = [_prefill(p, vocab, gen) for p in prompts]
-    rows = rows_drafting(drafter, prompts, prefills, drafter.new_memory())
-    assert isinstance(rows, RecycledLookup)
+    rows = drafter.rows(prompts, prefills, drafter.new_memory())
+    assert isinstance(rows, ChainDrafting)
     shared = drafter.new_memory()  # the rows share one table, as the rows drafted at once do
     alone = [Drafting(drafter.sessions(p, f, shared)) for p, f in zip(prompts, prefills)]
     histories = [list(p) for p in prompts]
@@ -95,7 +97,7 @@ def test_rows_drafted_at_once_equal_each_rows_best_first_tree(drafters):
 
 
 def _key(origin, drafting: Drafting, k: int) -> int:
-    """The array form's stats key of a per-row tree's origin (recycled_lookup.RecycledLookup)."""
+    """The array form's stats key of a per-row tree's origin (drafters.chains.ChainDrafting)."""
     if origin is None:
         return -1
     source, key = origin
@@ -104,17 +106,19 @@ def _key(origin, drafting: Drafting, k: int) -> int:
     return 2 * k + key  # prompt lookup: the match length
 
 
-def test_only_prompt_lookup_and_token_recycling_draft_rows_at_once():
+def test_drafters_with_a_rows_source_draft_rows_at_once_and_the_others_row_by_row():
+    """Drafter.rows is the one path: members with rows sources (chains, at most one table) draft every
+    row at once, in any combination; a member without one, or two tables, make the combination draft
+    row by row."""
     from specpass.drafters import PerRowDrafting, Suffix
 
     prefill = _prefill([1, 2], 5, torch.Generator())
-    assert isinstance(rows_drafting(TokenRecycling(), [[1, 2]], [prefill]), RecycledLookup)
-    assert isinstance(rows_drafting(Combined(PromptLookup(), Suffix()), [[1, 2]], [prefill]), PerRowDrafting)
-
-    memory = (None, TokenRecycling().new_memory())
-    assert recycled_lookup((PromptLookup(), TokenRecycling()), [[1, 2]], [_prefill([1, 2], 5, torch.Generator())], memory)
-    assert recycled_lookup((PromptLookup(), Suffix()), [[1]], [None], None) is None
-    assert recycled_lookup((PromptLookup(), PromptLookup()), [[1]], [None], None) is None
+    at_once = (TokenRecycling(), PromptLookup(), Combined(PromptLookup(), TokenRecycling()),
+               Combined(PromptLookup(max_ngram=2), PromptLookup(min_ngram=3, max_ngram=4), TokenRecycling()))  # fmt: skip
+    for drafter in at_once:
+        assert isinstance(drafter.rows([[1, 2]], [prefill], drafter.new_memory()), ChainDrafting), drafter
+    for drafter in (Combined(PromptLookup(), Suffix()), Combined(TokenRecycling(), TokenRecycling(top_k=2)), Suffix()):
+        assert isinstance(drafter.rows([[1, 2]], [prefill], drafter.new_memory()), PerRowDrafting), drafter
 
 
 def test_acceptance_over_rows_equals_accept_greedy():
@@ -150,3 +154,39 @@ def test_tree_rows_prefixes_and_first_branches():
     assert chains.row(0).tokens == (5, 6, 8, 9) and chains.row(0).is_chain() and chains.row(1).tokens == (1, 2)
     assert chains.ancestors[0].tolist() == np.tril(np.ones((4, 4), dtype=bool)).tolist()
     assert chains.ancestors[1, 2:, :].tolist() == [[False, False, True, False], [False, False, False, True]]
+
+
+def _documented_drafter() -> dict:
+    """The example of docs/design.md ("Adding a drafter that drafts every row at once"), run as written."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "design.md").read_text()
+    section = text[text.index("**Adding a drafter that drafts every row at once**") :]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start : section.index("\n```", start)]
+    namespace: dict = {"__name__": "documented_drafter"}
+    exec(compile(code, "docs/design.md", "exec"), namespace)  # noqa: S102 - the docs' own example
+    return namespace
+
+
+def test_the_documented_drafter_drafts_rows_at_once_alone_and_combined_and_is_lossless():
+    """A drafter written as the docs show (a ChainSource, nothing else) drafts every row at once alone
+    and beside prompt lookup and Token Recycling, row by row beside Suffix (its per-row session comes
+    from its chains), and in each case equals HF greedy with its phrases accepted."""
+    from conftest import FIXED_BUDGET, peaked_tiny_model
+
+    import specpass
+    from specpass.drafters import PerRowDrafting, Suffix
+
+    phrase_book = _documented_drafter()["PhraseBook"]
+    model = peaked_tiny_model()
+    ids = torch.tensor([[5, 17, 33, 8, 21, 40, 9]])
+    greedy = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    continuation = greedy[0, ids.shape[1] :].tolist()
+    book = phrase_book(phrases=(tuple(continuation[3:9]), tuple(continuation[12:16])))
+    prefill = _prefill(ids[0].tolist(), 96, torch.Generator())
+    for drafter, form in ((book, ChainDrafting), (Combined(book, PromptLookup(), TokenRecycling()), ChainDrafting),
+                          (Combined(book, Suffix()), PerRowDrafting)):  # fmt: skip
+        assert isinstance(drafter.rows([ids[0].tolist()], [prefill], drafter.new_memory()), form), drafter
+        program = specpass.compile_program(model, {"drafter": drafter, "budget": FIXED_BUDGET, "lowering": "eager"})
+        out = specpass.generate(program, ids, max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(out.sequences, greedy), drafter
+        assert out.stats.target_forwards < 24 - 4, (drafter, out.stats)  # the phrases were drafted and accepted
