@@ -114,6 +114,11 @@ class ChainDrafting(RowsDrafting):
             return Chains(np.full((batch, 0, 1), -1, dtype=np.int64), np.zeros((batch, 0, 1), dtype=np.int64),
                           np.ones((batch, 0)))  # fmt: skip
         parts = [source.chains(history, lengths) for source in self.sources]
+        if len(parts) == 1:  # the common case: no padding or concatenation
+            tokens, keys, divisors = parts[0]
+            return Chains(np.ascontiguousarray(tokens, dtype=np.int64),
+                          np.ascontiguousarray(keys + self.key_bases[0], dtype=np.int64),
+                          np.ascontiguousarray(divisors, dtype=np.float64))  # fmt: skip
         depth = max(p.tokens.shape[2] for p in parts)
         pad = lambda a, value: np.pad(a, ((0, 0), (0, 0), (0, depth - a.shape[2])), constant_values=value)  # noqa: E731
         tokens = np.concatenate([pad(p.tokens, -1) for p in parts], axis=1)  # [B, M, D]
