@@ -69,7 +69,9 @@ class _Histories:
 class ChainDrafting(RowsDrafting):
     """Chain sources and at most one successor table drafting all rows of a batch at once (module
     docstring). Stats keys: the table's token ranks 0 .. k - 1 and pair ranks k .. 2k - 1, then each
-    chain source's keys in turn."""
+    chain source's keys in turn. A step without drafting still teaches the table (`observe`)."""
+
+    skips = True
 
     def __init__(self, prompts: Sequence[Sequence[int]], prefills: Sequence[TargetForward],
                  chains: Sequence[ChainSource], table: SuccessorSource | None = None):  # fmt: skip
@@ -130,14 +132,16 @@ class ChainDrafting(RowsDrafting):
     def observe(self, trees: TreeRows, verified: VerifiedRows, paths, histories) -> None:
         from . import kernels  # compiled on first use
 
+        self.histories.sync(histories)  # where no draft did: each row ends at its tree's root
         lengths = np.array([len(p) for p in paths], dtype=np.int64)
         flat = np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64, count=int(lengths.sum()))
         table = self.table if self.table is not None else _NO_TABLE
+        origins = trees.origins if trees.origins is not None else np.full(trees.tokens.shape, -1, dtype=np.int64)
         if self.table is not None:
             self.table.reserve(int(trees.tokens.max()))
-        tokens, ends = self.histories.tokens, self.histories.lengths  # synced by draft: each row ends at its root
+        tokens, ends = self.histories.tokens, self.histories.lengths  # synced: each row ends at its root
         root_previous = np.where(ends > 1, tokens[np.arange(len(paths)), np.maximum(ends - 2, 0)], -1)
-        kernels.learn(trees.tokens, trees.parents, trees.origins, trees.sizes, flat, lengths, root_previous,
+        kernels.learn(trees.tokens, trees.parents, origins, trees.sizes, flat, lengths, root_previous,
                       verified.topk.numpy(), self.rates.tried, self.rates.accepted, table.by_token, table.pair_keys,
                       table.by_pair)  # fmt: skip
 

@@ -47,6 +47,8 @@ class RowsDrafting(ABC):
 
     Row b of a call is the loop's live row b; `keep` follows the loop when rows finish."""
 
+    skips = False  # True: a step may verify roots only without drafting (then `observe` sees those trees)
+
     @abstractmethod
     def draft(self, histories: Sequence[Sequence[int]], max_nodes: int, max_depths: Sequence[int]) -> TreeRows:
         """Each row's tree rooted at its history's last token, at most max_nodes nodes and

@@ -69,6 +69,10 @@ class RuntimeHook:
         """The tree size every process verifies this step, from this process's choice."""
         return size
 
+    def agreed_choice(self, choice: bool) -> bool:
+        """Whether every process drafts this step (backends.runtime.gate), from this process's choice."""
+        return choice
+
     def agreed_seconds(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
         """The cost curve's timings every process adopts, from this process's measurement."""
         return seconds
@@ -119,6 +123,9 @@ class RuntimeHooks(RuntimeHook):
 
     def agreed_size(self, size: int) -> int:
         return self._chain(lambda hook, value: hook.agreed_size(value), size)
+
+    def agreed_choice(self, choice: bool) -> bool:
+        return self._chain(lambda hook, value: hook.agreed_choice(value), choice)
 
     def agreed_seconds(self, seconds):
         return self._chain(lambda hook, value: hook.agreed_seconds(value), seconds)

@@ -44,6 +44,9 @@ class Lockstep(RuntimeHook):
     def agreed_size(self, size: int) -> int:
         return int(rank0_floats([size])[0])
 
+    def agreed_choice(self, choice: bool) -> bool:
+        return bool(rank0_floats([float(choice)])[0])
+
     def agreed_seconds(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
         return rank0_floats(seconds)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .acceptance import accept_rows
+from .gate import DraftingGate
 from .generation import BatchGeneration, check_request, padded_sequences
 from .guard import one_generation_at_a_time
 from .program import DecodeProgram
@@ -97,6 +98,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
     # verified last step, whichever is more, so the drafting work of a batch follows what its forward
     # verifies (best-first: a smaller tree is the larger one's prefix; one row drafts max_nodes)
     drafted = program.max_nodes if curve is not None else min(program.max_nodes, program.budget)
+    gate = DraftingGate() if curve is not None and drafting.skips else None  # the cost budget may also not draft
     last_step = started
     while live:
         step_started = last_step = time.perf_counter()
@@ -108,11 +110,16 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
             live = _retire(program, live, drafting)
             continue
         histories = [s.tokens for s in live]
-        trees = drafting.draft(histories, min(room, drafted), [s.remaining - 1 for s in live])
-        if not program.verifies_trees:
-            trees = first_branches(trees)
-        size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
-        trees = trees.prefix(min(program.hooks.agreed_size(size), room))  # every process of a sharded program: rank 0's
+        drafts = gate is None or program.hooks.agreed_choice(gate.drafts())  # every process: rank 0's choice
+        if drafts:
+            trees = drafting.draft(histories, min(room, drafted), [s.remaining - 1 for s in live])
+            drafting_seconds = time.perf_counter() - step_started
+            if not program.verifies_trees:
+                trees = first_branches(trees)
+            size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
+            trees = trees.prefix(min(program.hooks.agreed_size(size), room))  # every process: rank 0's size
+        else:
+            trees = TreeRows.roots([h[-1] for h in histories])
         layout = SlotLayout(tuple(s.cursor.cached for s in live), torch.from_numpy(trees.ancestors),
                             tuple(trees.sizes.tolist()), tuple(s.cursor.seen - s.cursor.cached for s in live))  # fmt: skip
         tokens = torch.from_numpy(trees.tokens)  # [B, T]
@@ -127,7 +134,11 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
         if stream is not None:
             stream.flush()
         live = _retire(program, live, drafting)
-        if curve is not None:
+        if gate is not None:  # a plain step would not have drafted, and would have verified one node a row
+            seconds = time.perf_counter() - step_started
+            plain = seconds - drafting_seconds - curve.latency(layout.size) + curve.latency(1) if drafts else None
+            gate.record(drafts, sum(map(len, paths)), seconds, plain, len(paths))
+        if curve is not None and drafts:
             outside = time.perf_counter() - step_started - curve.latency(layout.size)
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
             drafted = min(program.max_nodes, max(program.max_nodes // len(paths), 2 * layout.size, MIN_DRAFTED))

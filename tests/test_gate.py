@@ -1,0 +1,56 @@
+"""The drafting gate (backends.runtime.gate): a step drafts only where drafted steps commit tokens faster
+than plain ones; a step that does not draft is as lossless as one that does."""
+
+import torch
+from conftest import peaked_tiny_model
+
+import specpass
+from specpass.backends.runtime import gate as gate_module
+from specpass.backends.runtime.gate import DraftingGate
+
+
+def test_the_gate_drafts_while_drafting_is_ahead_and_tries_it_ever_less_often_behind():
+    gate = DraftingGate(first_probe=2, max_probe=8, probe=2, until_probe=2)
+    assert gate.drafts()  # nothing measured yet: draft
+    gate.record(True, tokens=30, seconds=1.0, plain_seconds=0.5, rows=10)  # 30 tokens/s drafted, 20 plain
+    assert gate.drafts() and gate.drafts()  # drafting ahead: no plain step is ever tried
+    gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)  # drafts fail: 24 against 20 ...
+    gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)  # ... then 19.8 against 20
+    choices = []
+    for _ in range(16):  # behind: plain steps; drafted tries 4, then 8 steps apart (the interval doubles, capped)
+        drafted = gate.drafts()
+        choices.append(drafted)
+        if drafted:
+            gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)
+        else:
+            gate.record(False, tokens=10, seconds=0.5)
+    assert [i for i, c in enumerate(choices) if c] == [1, 5, 13]
+    gate.record(True, tokens=100, seconds=1.0, plain_seconds=0.5, rows=10)  # drafting pays again
+    assert gate.drafts() and gate.probe == 2  # drafting again; the interval starts over
+
+
+def test_steps_that_do_not_draft_equal_hf_greedy_in_a_batch(monkeypatch):
+    """The gate forced to alternate: rows of different lengths (left padding) with the default drafter
+    under the cost budget equal HF greedy, with drafted and plain steps both run."""
+    choices = []
+
+    def alternate(self):
+        choices.append(len(choices) % 2 == 0)
+        return choices[-1]
+
+    monkeypatch.setattr(gate_module.DraftingGate, "drafts", alternate)
+    model = peaked_tiny_model()
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 96, (n,), generator=gen) for n in (9, 14)]
+    rows = [torch.cat([r, r[:5]]) for r in rows]  # a repeat for prompt lookup
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :], mask[b, width - len(r) :] = r, 1
+    program = specpass.compile_program(model, {"lowering": "eager"}, rows=2)
+    out = specpass.generate(program, ids, 20, attention_mask=mask, eos_token_id=[])
+    for b, r in enumerate(rows):
+        alone = model.generate(r[None], max_new_tokens=20, do_sample=False, eos_token_id=None)
+        assert list(out.new_tokens[b]) == alone[0, len(r) :].tolist(), b
+    assert True in choices and False in choices
