@@ -9,13 +9,13 @@ from specpass.backends.runtime import gate as gate_module
 from specpass.backends.runtime.gate import DraftingGate
 
 
-def test_the_gate_drafts_while_drafting_is_ahead_and_tries_it_ever_less_often_behind():
-    gate = DraftingGate(first_probe=2, max_probe=8, probe=2, until_probe=2)
-    assert gate.drafts()  # nothing measured yet: draft
-    gate.record(True, tokens=30, seconds=1.0, plain_seconds=0.5, rows=10)  # 30 tokens/s drafted, 20 plain
-    assert gate.drafts() and gate.drafts()  # drafting ahead: no plain step is ever tried
-    gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)  # drafts fail: 24 against 20 ...
-    gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)  # ... then 19.8 against 20
+def test_the_gate_drafts_until_the_evidence_says_plain_steps_are_faster_then_tries_ever_less_often():
+    gate = DraftingGate(window=4, evidence=3, first_probe=2, max_probe=8, probe=2, until_probe=2)
+    for _ in range(2):  # drafts fail, but two steps are not evidence yet
+        assert gate.drafts()
+        gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)  # 10 tokens/s drafted, 20 plain
+    assert gate.drafts()
+    gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)
     choices = []
     for _ in range(16):  # behind: plain steps; drafted tries 4, then 8 steps apart (the interval doubles, capped)
         drafted = gate.drafts()
@@ -25,8 +25,9 @@ def test_the_gate_drafts_while_drafting_is_ahead_and_tries_it_ever_less_often_be
         else:
             gate.record(False, tokens=10, seconds=0.5)
     assert [i for i, c in enumerate(choices) if c] == [1, 5, 13]
-    gate.record(True, tokens=100, seconds=1.0, plain_seconds=0.5, rows=10)  # drafting pays again
-    assert gate.drafts() and gate.probe == 2  # drafting again; the interval starts over
+    for _ in range(4):  # drafting pays again: the window fills with fast drafted steps
+        gate.record(True, tokens=100, seconds=1.0, plain_seconds=0.5, rows=10)
+    assert gate.drafts() and gate.probe == 2  # drafting again; the tries start over next time
 
 
 def test_steps_that_do_not_draft_equal_hf_greedy_in_a_batch(monkeypatch):

@@ -3,32 +3,35 @@
 The cost budget sizes a drafted tree (backends.runtime.cost), but it prices every size with the
 drafting already paid, so it never chooses not to draft. On a model whose drafts fail, drafting and
 verifying a tree cost more than the tokens it adds (docs/experiments.md, "The house, third pass").
-The gate compares tokens committed per second: of drafted steps (measured), and of plain steps (one
-node, nothing drafted), estimated from each drafted step without its drafting and its extra verify
-width, measured where plain steps run. While drafting is ahead, every step drafts; once it falls
-behind, steps run plain and a drafted step is tried after `probe` steps, an interval that doubles
-while drafting stays behind. It only chooses between two lossless steps: no token depends on it.
+The gate compares tokens committed per second over the last `window` steps of each kind: drafted
+steps (measured), and plain steps (one node, nothing drafted: estimated from each drafted step
+without its drafting and its extra verify width, measured where plain steps run). A step's tokens
+vary from one to a whole branch, so it decides only after `evidence` drafted steps; while drafting is
+ahead every step drafts; once behind, steps run plain and a drafted step is tried after `probe`
+steps, an interval that doubles (up to `max_probe`) while drafting stays behind. It only chooses
+between two lossless steps: no token depends on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-SMOOTHING = 0.3  # weight of a new step in a kind's running rate
+from collections import deque
+from dataclasses import dataclass, field
 
 
 @dataclass
 class DraftingGate:
-    first_probe: int = 4  # plain steps before the first drafted try, after drafting fell behind
-    max_probe: int = 64
+    window: int = 8  # steps of each kind the rates are summed over
+    evidence: int = 4  # drafted steps before the gate may stop drafting
+    first_probe: int = 4  # plain steps before the first drafted try, once drafting fell behind
+    max_probe: int = 32
     probe: int = 4
     until_probe: int = 4
-    drafted_rate: float | None = None  # running tokens per second of drafted steps
-    plain_rate: float | None = None  # of plain steps (estimated while drafting)
+    drafted: deque = field(default_factory=deque)  # (tokens, seconds) of the last drafted steps
+    plain: deque = field(default_factory=deque)  # (tokens, seconds) of plain steps, run or estimated
 
     def drafts(self) -> bool:
         """Whether the next step drafts."""
-        if self.drafted_rate is None or self.plain_rate is None or self.drafted_rate >= self.plain_rate:
+        if self.ahead():
             return True
         self.until_probe -= 1
         if self.until_probe > 0:
@@ -41,21 +44,25 @@ class DraftingGate:
                ) -> None:  # fmt: skip
         """A step committed `tokens` in `seconds`; a drafted step also gives `plain_seconds`, what a
         plain step of its `rows` rows (one token each) would have taken."""
-        ahead_before = self._ahead()
-        if drafted:
-            self.drafted_rate = _smoothed(self.drafted_rate, tokens / max(seconds, 1e-9))
-        else:
-            self.plain_rate = _smoothed(self.plain_rate, tokens / max(seconds, 1e-9))
+        behind_before = not self.ahead()
+        _append(self.drafted if drafted else self.plain, (tokens, seconds), self.window)
         if plain_seconds is not None:
-            self.plain_rate = _smoothed(self.plain_rate, rows / max(plain_seconds, 1e-9))
-        if ahead_before is False and self._ahead():  # drafting caught up: probes start over next time
+            _append(self.plain, (rows, max(plain_seconds, 1e-9)), self.window)
+        if behind_before and self.ahead():  # drafting caught up: tries start over when it next falls behind
             self.probe = self.until_probe = self.first_probe
 
-    def _ahead(self) -> bool | None:
-        if self.drafted_rate is None or self.plain_rate is None:
-            return None
-        return self.drafted_rate >= self.plain_rate
+    def ahead(self) -> bool:
+        """Drafting is ahead, or there is not yet the evidence to say it is not."""
+        if len(self.drafted) < self.evidence or not self.plain:
+            return True
+        return _rate(self.drafted) >= _rate(self.plain)
 
 
-def _smoothed(old: float | None, new: float) -> float:
-    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+def _append(steps: deque, step: tuple[int, float], window: int) -> None:
+    steps.append(step)
+    if len(steps) > window:
+        steps.popleft()
+
+
+def _rate(steps: deque) -> float:
+    return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9)
