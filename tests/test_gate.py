@@ -54,4 +54,4 @@ def test_steps_that_do_not_draft_equal_hf_greedy_in_a_batch(monkeypatch):
     for b, r in enumerate(rows):
         alone = model.generate(r[None], max_new_tokens=20, do_sample=False, eos_token_id=None)
         assert list(out.new_tokens[b]) == alone[0, len(r) :].tolist(), b
-    assert True in choices and False in choices
+    assert any(choices) and not all(choices)  # drafted and plain steps both ran

@@ -4,8 +4,9 @@ Each lowering runs the kernel set of its device on every call, whatever the step
 is one function, and no choice between kernels that give other bits is ever made per call (the
 lossless contract, docs/design.md). Today's set is the CPU's: attention in logical key order
 (backends.kernels.attention, numba, every dtype) and a linear in calls of measured sizes only, on
-ATen's mm for small weights and oneDNN's for the others (backends.kernels.linear, float32 and bfloat16). Other devices have none yet: their steps keep the
-captured ops, and the build-time check (backends.runtime.invariance) says what that costs. A CUDA
+ATen's mm for small weights and oneDNN's for the others (backends.kernels.linear, float32 and
+bfloat16). Other devices have none yet: their steps keep the captured ops, and the build-time check
+(backends.runtime.invariance) says what that costs. A CUDA
 set joins by adding its entry to `kernel_set` and, where it differs, its own replacement functions.
 
 Compiled lowerings (inductor, AOTInductor) see the kernels as custom ops (`specpass::ordered_attention`,

@@ -62,18 +62,13 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bias = bias.float() if bias is not None else None
     if not weight.is_mkldnn and weight.dtype != torch.float32:
         weight = weight.float()
-    m = rows.shape[0]
-    take, call = _piece(m, tuple(sizes))
-    if take == m:  # one call: the common case of a decoding step
-        out = _call(rows, weight, onednn, call)  # [M, N]
-    else:
-        pieces, start = [], 0
-        while start < m:
-            pieces.append(_call(rows[start : start + take], weight, onednn, call))
-            start += take
-            if start < m:
-                take, call = _piece(m - start, tuple(sizes))
-        out = torch.cat(pieces)  # [M, N]
+    m, sizes = rows.shape[0], tuple(sizes)
+    pieces, start = [], 0
+    while start < m:
+        take, call = _piece(m - start, sizes)
+        pieces.append(_call(rows if take == m else rows[start : start + take], weight, onednn, call))
+        start += take
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [M, N]
     if bias is not None:
         out = out + bias
     if x.dim() != 2:

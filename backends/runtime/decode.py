@@ -134,12 +134,12 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
         if stream is not None:
             stream.flush()
         live = _retire(program, live, drafting)
+        seconds = time.perf_counter() - step_started
         if gate is not None:  # a plain step would not have drafted, and would have verified one node a row
-            seconds = time.perf_counter() - step_started
             plain = seconds - drafting_seconds - curve.latency(layout.size) + curve.latency(1) if drafts else None
             gate.record(drafts, sum(map(len, paths)), seconds, plain, len(paths))
         if curve is not None and drafts:
-            outside = time.perf_counter() - step_started - curve.latency(layout.size)
+            outside = seconds - curve.latency(layout.size)
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
             drafted = min(program.max_nodes, max(program.max_nodes // len(paths), 2 * layout.size, MIN_DRAFTED))
     if program.device.type == "cuda":  # the last commit ran asynchronously: count it in the time
