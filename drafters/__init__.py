@@ -4,7 +4,7 @@ draft heads, a feature draft (EAGLE) and the model's own first layers (self-draf
 from .base import Combined, Drafter, Drafting, PerRowDrafting, expected_tokens
 from .chains import ChainDrafting
 from .contract import (
-    Chains, ChainSource, DraftModel, DraftSession, RootsOnly, RowsDrafting, TargetForward, VerifiedRows,
+    Chains, ChainSource, DraftModel, DraftSession, RootsOnly, RowsDrafting, TargetForward,
 )  # fmt: skip
 from .feature import Feature
 from .heads import Heads
@@ -38,7 +38,6 @@ __all__ = [
     "RootsOnly",
     "RowsDrafting",
     "TreeRows",
-    "VerifiedRows",
     "Heads",
     "PromptLookup",
     "SelfDraft",

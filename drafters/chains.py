@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .contract import Chains, ChainSource, DraftSession, RowsDrafting, TargetForward, VerifiedRows
+from .contract import Chains, ChainSource, DraftSession, RowsDrafting, TargetForward
 from .stats import AcceptanceStats
 from .successor_table import SuccessorSource
 from .tree import Candidate
@@ -129,7 +129,7 @@ class ChainDrafting(RowsDrafting):
         return Chains(np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(keys, dtype=np.int64),
                       np.ascontiguousarray(divisors, dtype=np.float64))  # fmt: skip
 
-    def observe(self, trees: TreeRows, verified: VerifiedRows, paths, histories) -> None:
+    def observe(self, trees: TreeRows, verified: TargetForward, paths, histories) -> None:
         from . import kernels  # compiled on first use
 
         self.histories.sync(histories)  # where no draft did: each row ends at its tree's root

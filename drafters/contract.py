@@ -19,26 +19,17 @@ from ..ir.draft import DraftGraphSpec
 
 @dataclass(frozen=True)
 class TargetForward:
-    """What a target forward tells the drafters about its T tokens (the prompt, or a verified tree)."""
+    """What a target forward tells the drafters about its tokens: one row's T tokens (the prompt, or a
+    verified tree: shapes [T, ...]) or a verify step's B rows ([B, T, ...]; `row` takes one; padding
+    nodes' entries are meaningless)."""
 
-    topk: torch.Tensor  # [T, k] int64 on the CPU: the target's top-k next tokens after each token (raw logits)
-    hidden: torch.Tensor  # [T, H] on the model's device: final normed hidden states
-    choices: torch.Tensor  # [T] int64 on the CPU: the token the target chose after each token (greedy or sampled)
+    topk: torch.Tensor  # [(B,) T, k] int64 on the CPU: the target's top-k next tokens after each token (raw logits)
+    hidden: torch.Tensor  # [(B,) T, H] on the model's device: final normed hidden states
+    choices: torch.Tensor  # [(B,) T] int64 on the CPU: the token the target chose after each token (greedy or sampled)
     resumed: bool = False  # the forward resumed above an early exit from a session's precomputed states
 
-
-@dataclass(frozen=True)
-class VerifiedRows:
-    """What one verify forward tells the drafters about every row's tree (padding nodes' entries are
-    meaningless)."""
-
-    topk: torch.Tensor  # [B, T, k] int64 on the CPU
-    hidden: torch.Tensor  # [B, T, H] on the model's device
-    choices: torch.Tensor  # [B, T] int64 on the CPU: the target's choice after each node
-    resumed: bool = False
-
     def row(self, b: int, size: int) -> TargetForward:
-        """Row b's first `size` nodes as a TargetForward."""
+        """Row b's first `size` tokens of a batch's forward."""
         return TargetForward(self.topk[b, :size], self.hidden[b, :size], self.choices[b, :size], self.resumed)
 
 
@@ -60,7 +51,7 @@ class RowsDrafting(ABC):
         return None
 
     @abstractmethod
-    def observe(self, trees: TreeRows, verified: VerifiedRows, paths: Sequence[Sequence[int]],
+    def observe(self, trees: TreeRows, verified: TargetForward, paths: Sequence[Sequence[int]],
                 histories: Sequence[Sequence[int]]) -> None:  # fmt: skip
         """Learn from a verify step whose accepted paths (node indices, root first) are `paths`;
         histories: each row's tokens up to and including its tree's root."""

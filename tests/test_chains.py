@@ -9,7 +9,7 @@ import torch
 
 from specpass.backends.runtime.acceptance import accept_rows
 from specpass.drafters import (
-    Combined, Drafting, DraftTree, PromptLookup, TargetForward, TokenRecycling, TreeRows, VerifiedRows, accept_greedy,
+    Combined, Drafting, DraftTree, PromptLookup, TargetForward, TokenRecycling, TreeRows, accept_greedy,
 )  # fmt: skip
 from specpass.drafters.prompt_lookup import lookup_branches
 from specpass.drafters.chains import ChainDrafting
@@ -86,7 +86,7 @@ def test_rows_drafted_at_once_equal_each_rows_best_first_tree(drafters):
         # one verify step: random target top-k, the greedy path, then both learn from it
         topk = torch.randint(0, vocab, (len(prompts), trees.width, 8), generator=gen)
         paths = accept_rows(trees.tokens, trees.parents, trees.sizes, topk[..., 0].numpy())
-        verified = VerifiedRows(topk, torch.zeros(len(prompts), trees.width, 4), topk[..., 0])
+        verified = TargetForward(topk, torch.zeros(len(prompts), trees.width, 4), topk[..., 0])
         rows.observe(trees, verified, paths, histories)
         for b, (row, history, tree) in enumerate(zip(alone, histories, expected_trees)):
             row.observe(tree, verified.row(b, len(tree)), paths[b], history)

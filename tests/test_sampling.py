@@ -4,12 +4,15 @@ token, on the real default model (float32, CPU)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import specpass
 from conftest import FIXED_BUDGET, token_inside_an_accepted_draft, with_feature, with_heads
-from specpass.backends.runtime.sampling import KeyedNoise, Sampling, TargetChoice, node_prefixes, position_noise
+from specpass.backends.runtime.sampling import (
+    KeyedNoise, Sampling, TargetChoice, choose_rows, node_prefixes, position_noise,
+)  # fmt: skip
 from specpass.drafters import Combined, Feature, Heads, PromptLookup, TokenRecycling
 from specpass.rewrites import TreeAttention
 
@@ -146,6 +149,44 @@ def test_keyed_noise_is_position_noise_and_keeps_recent_positions():
     assert torch.equal(first, position_noise(5, 10, 50)) and noise(10, 50) is first  # computed once
     noise(11, 50), noise(12, 50)  # position 10 is now the least recent of three: dropped
     assert noise(10, 50) is not first and torch.equal(noise(10, 50), first)
+
+
+def test_a_batch_of_rows_chooses_as_each_row_would_by_hand():
+    """choose_rows over rows with different settings, seeds and a processor that reads input_ids
+    (repetition penalty) equals, row by row, HF's processors applied to each node's own prefix, plus
+    the node's position noise, then argmax (plain greedy rows keep the greedy choice given)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    penalty = RepetitionPenaltyLogitsProcessor(1.3)
+    rows = [  # (processors, sampling, history)
+        ((), Sampling(), [1, 2, 3]),
+        ((), Sampling(do_sample=True, temperature=0.7, seed=1), [4, 5]),
+        ((), Sampling(do_sample=True, temperature=0.7, seed=2), [6, 7, 8, 9]),
+        ((), Sampling(do_sample=True, top_k=5, top_p=0.8, seed=3), [1]),
+        ((penalty,), Sampling(do_sample=True, temperature=1.5, seed=4), [3, 3, 5]),
+        ((penalty,), Sampling(), [2, 9]),
+    ]
+    vocab, width = 12, 4
+    tokens = np.array([[3, 5, 6, 0], [5, 1, 2, 7], [9, 4, 0, 0], [1, 2, 3, 4], [5, 3, 11, 3], [9, 9, 2, 0]])
+    parents = np.array([[-1, 0, 0, -1], [-1, 0, 1, 2], [-1, 0, -1, -1], [-1, 0, 0, 1], [-1, 0, 1, 0], [-1, 0, 1, -1]])
+    sizes = np.array([3, 4, 2, 4, 4, 3])
+    logits = torch.randn(len(rows), width, vocab, generator=torch.Generator().manual_seed(0)) * 3  # [B, T, V]
+    greedy = logits.argmax(-1)
+    choices = [TargetChoice(p, s) for p, s, _ in rows]
+    histories = [h for _, _, h in rows]
+    chosen = choose_rows(choices, histories, tokens, parents, sizes, logits, greedy)
+    for b, (processors, sampling, history) in enumerate(rows):
+        n = int(sizes[b])
+        prefixes = node_prefixes(history, parents[b, :n].tolist(), tokens[b, :n].tolist())
+        for i in range(n):
+            scores = logits[b, i][None].clone()
+            for processor in [*processors, *(sampling.processors() if sampling.do_sample else [])]:
+                scores = processor(torch.tensor([prefixes[i]]), scores)
+            if sampling.do_sample:
+                depth = len(prefixes[i]) - len(history)
+                scores = scores + position_noise(sampling.seed, len(history) + depth, vocab)
+            assert int(chosen[b, i]) == int(scores.argmax()), (b, i)
+    assert torch.equal(chosen[0], greedy[0])
 
 
 DRAFTERS = {  # every proposer: prompt lookup and Token Recycling together, and with Hydra's heads

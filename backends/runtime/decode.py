@@ -23,9 +23,9 @@ from .gate import DraftingGate
 from .generation import BatchGeneration, check_request, padded_sequences
 from .guard import one_generation_at_a_time
 from .program import DecodeProgram
-from .sampling import TargetChoice
+from .sampling import TargetChoice, choose_rows
 from .sequence import CacheCursor, SequenceState
-from ...drafters import RootsOnly, RowsDrafting, VerifiedRows
+from ...drafters import RootsOnly, RowsDrafting, TargetForward
 from ...drafters.tree_rows import TreeRows, first_branches
 from ...common.errors import InvalidParameterError
 from ...ir.layout import SlotLayout
@@ -152,24 +152,21 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
 
 
 def _accept(live: list[SequenceState], trees: TreeRows, logits: torch.Tensor, hidden: torch.Tensor, top_k: int,
-            resumed: bool) -> tuple[list[list[int]], VerifiedRows]:  # fmt: skip
+            resumed: bool) -> tuple[list[list[int]], TargetForward]:  # fmt: skip
     """Each row's accepted path of `trees` verified as logits [B, T, V], hidden [B, T, H], and what the
-    drafters learn. Greedy and sample-and-match rows are accepted together (acceptance.accept_rows);
-    a row whose drafts were drawn from draft laws, by the multi-candidate rule."""
+    drafters learn. Every row chooses (sampling.choose_rows) and greedy and sample-and-match rows are
+    accepted together (acceptance.accept_rows); a row whose drafts were drawn from draft laws walks
+    its tree by the multi-candidate rule (it reads the target's law only at the nodes it visits)."""
     topk = logits.topk(top_k, dim=-1).indices.cpu()  # [B, T, k]: the step's host sync
-    choices = topk[..., 0]  # [B, T]: plain greedy
-    if any(not s.choice.plain_greedy for s in live):
-        choices = choices.clone()
-        for b, s in enumerate(live):
-            if not s.choice.plain_greedy:
-                n = int(trees.sizes[b])
-                choices[b, :n] = s.choose(trees.row(b), logits[b, :n])
+    histories = [s.tokens for s in live]
+    choices = choose_rows([s.choice for s in live], histories, trees.tokens, trees.parents, trees.sizes, logits,
+                          topk[..., 0])  # fmt: skip  # [B, T]
     paths = accept_rows(trees.tokens, trees.parents, trees.sizes, choices.numpy())
     for b, s in enumerate(live):
         if s.by_rule and trees.sizes[b] > 1:  # drawn drafts: the multi-candidate rule
             n = int(trees.sizes[b])
             paths[b], choices[b, :n] = s.accept_drawn(trees.row(b), logits[b, :n], topk[b, :n, 0])
-    return paths, VerifiedRows(topk, hidden, choices, resumed)
+    return paths, TargetForward(topk, hidden, choices, resumed)
 
 
 class _Stream:

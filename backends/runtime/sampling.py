@@ -16,7 +16,9 @@ import collections
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 import torch
 
@@ -164,10 +166,11 @@ class TargetChoice:
     """
 
     def __init__(self, processors: Sequence[Callable] = (), sampling: Sampling = GREEDY):
+        self.processors_source = processors  # rows sharing it (and their settings) are processed as one batch
         self.processors = list(processors) + (sampling.processors() if sampling.do_sample else [])
         self.sampling = sampling
         self.noise = KeyedNoise(sampling.seed)
-        self._reads_ids = any(not isinstance(p, _warper_types()) for p in self.processors)
+        self.reads_ids = any(not isinstance(p, _warper_types()) for p in self.processors)
 
     @property
     def plain_greedy(self) -> bool:
@@ -179,27 +182,20 @@ class TargetChoice:
         by default, after the last token of `tokens` alone; returns the chosen tokens [T] int64 (CPU)."""
         if self.plain_greedy:
             return logits.argmax(dim=-1).cpu()
-        scores, depths = self._processed(logits, tokens, parents, node_tokens)
-        if self.sampling.do_sample:
-            noise = torch.stack([self.noise(len(tokens) + d, scores.shape[-1])
-                                 for d in range(max(depths) + 1)])  # fmt: skip  # [D, V]: one row per position
-            scores = scores + noise.to(scores.device)[torch.tensor(depths, device=scores.device)]  # -inf stays -inf
-        return scores.argmax(dim=-1).cpu()
+        node_tokens = node_tokens if node_tokens is not None else tokens[-1:]
+        greedy = torch.zeros(1, len(parents), dtype=torch.long)  # [1, T]: every node is chosen below
+        return choose_rows([self], [tokens], np.array([node_tokens], dtype=np.int64),
+                           np.array([parents], dtype=np.int64), np.array([len(parents)]), logits[None], greedy)[0]
 
     def processed(self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] = (-1,),
                   node_tokens: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
         """The processed logits [T, V] (float32; -inf: excluded) that the choice samples from."""
-        return self._processed(logits, tokens, parents, node_tokens)[0]
-
-    def _processed(self, logits, tokens, parents, node_tokens) -> tuple[torch.Tensor, list[int]]:
         node_tokens = node_tokens if node_tokens is not None else tokens[-1:]
-        depths = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depths[i] = depths[parents[i]] + 1
+        depths = node_depths(np.array([parents], dtype=np.int64))[0].tolist()  # [T]
         by_depth: dict[int, list[int]] = {}
         for i, depth in enumerate(depths):
             by_depth.setdefault(depth, []).append(i)
-        prefixes = node_prefixes(tokens, parents, node_tokens) if self._reads_ids else None
+        prefixes = node_prefixes(tokens, parents, node_tokens) if self.reads_ids else None
         scores = logits.float()  # [T, V]
         no_ids = torch.empty(len(parents), 0, dtype=torch.long, device=scores.device)
         for processor in self.processors:
@@ -210,7 +206,58 @@ class TargetChoice:
             for rows in by_depth.values():  # one batch per depth: equal prefix lengths
                 ids = torch.tensor([prefixes[i] for i in rows], dtype=torch.long, device=scores.device)  # [n, L]
                 scores[rows] = processor(ids, scores[rows])
-        return scores, depths
+        return scores
+
+
+def choose_rows(choices: Sequence[TargetChoice], histories: Sequence[Sequence[int]], tokens: np.ndarray,
+                parents: np.ndarray, sizes: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """[B, T] int64 (host): the target's choice after each node of every row's tree (tokens, parents
+    [B, T] on the host as drafters.TreeRows holds them, sizes [B]; histories: each row's tokens up to
+    its root; logits [B, T, V]; greedy [B, T]: plain greedy's choices). Rows of one `TargetChoice` whose processors read scores only are chosen together: one
+    processed batch, each row's position noise, one argmax. A row whose processors read input_ids
+    is chosen alone (its nodes' prefixes differ). Each row's choice equals its `TargetChoice` applied
+    to that row alone (row-wise warpers; the noise is keyed by (seed, position))."""
+    out = greedy.clone()
+    groups: dict[tuple, list[int]] = {}
+    for b, choice in enumerate(choices):
+        if not choice.plain_greedy:
+            key = (id(choice.processors_source), replace(choice.sampling, seed=0)) if not choice.reads_ids else (b,)
+            groups.setdefault(key, []).append(b)
+    if not groups:
+        return out
+    depths = node_depths(parents)  # [B, T]
+    for rows in groups.values():
+        first = choices[rows[0]]
+        width = int(max(sizes[b] for b in rows))
+        if first.reads_ids:  # one row: its nodes' prefixes go to the processors
+            (b,) = rows
+            scores = first.processed(logits[b, :width], histories[b], parents[b, :width].tolist(),
+                                     tokens[b, :width].tolist())[None]  # fmt: skip  # [1, T, V]
+        else:
+            scores = logits[rows, :width].float().flatten(0, 1)  # [n * T, V]
+            no_ids = torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
+            for processor in first.processors:
+                scores = processor(no_ids, scores)
+            scores = scores.view(len(rows), width, -1)  # [n, T, V]
+        if first.sampling.do_sample:
+            vocab = scores.shape[-1]
+            noise = torch.stack([torch.stack([choices[b].noise(len(histories[b]) + int(d), vocab)
+                                              for d in depths[b, :width]]) for b in rows])  # fmt: skip  # [n, T, V]
+            scores = scores + noise.to(scores.device)  # -inf stays -inf
+        chosen = scores.argmax(dim=-1).cpu()  # [n, T]
+        for i, b in enumerate(rows):
+            n = int(sizes[b])
+            out[b, :n] = chosen[i, :n]
+    return out
+
+
+def node_depths(parents: np.ndarray) -> np.ndarray:
+    """[B, T] int64: each node's depth below its row's root (parents before children; padding: 0)."""
+    depths = np.zeros(parents.shape, dtype=np.int64)
+    for i in range(1, parents.shape[1]):
+        has = parents[:, i] >= 0
+        depths[has, i] = depths[has, parents[has, i]] + 1
+    return depths
 
 
 @functools.cache

@@ -77,11 +77,6 @@ class SequenceState:
         """Tokens this row may still emit."""
         return self.max_new_tokens - (len(self.tokens) - self.n_prompt)
 
-    def choose(self, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
-        """[T] int64 (host): the target's choice after each node of `tree` from its logits [T, V], for a
-        row that does not choose plainly greedily (processors, sampling)."""
-        return self.choice(logits, self.tokens, tree.parents, tree.tokens)
-
     def accept_drawn(self, tree: DraftTree, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Drawn drafts by the multi-candidate rule: the accepted path and the choices [T] the drafters
         read (off the path the greedy tokens `greedy` [T])."""
