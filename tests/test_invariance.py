@@ -101,6 +101,25 @@ def test_a_row_of_the_linear_does_not_depend_on_the_other_rows(dtype):
             assert alone.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_element_of_a_pointwise_op_does_not_depend_on_the_rest_of_the_call(dtype):
+    """Every transcendental op the kernel set takes, rows of widths that leave ATen's vector loop a tail
+    (1, 16, 48) and one wider than a thread's piece (40000), calls of 1 .. 70 rows and slices at odd
+    offsets: every element has the bits it has alone, and the values are the op's own (up to rounding)."""
+    from specpass.backends.kernels.pointwise import OPS, rows_pointwise
+
+    gen = torch.Generator().manual_seed(0)
+    for width in (1, 16, 48, 40000):
+        x = (torch.randn(70, width, generator=gen) * 3).to(dtype)
+        for op, fn in OPS.items():
+            alone = torch.cat([rows_pointwise(x[i : i + 1], op) for i in range(70)])
+            torch.testing.assert_close(alone.float(), fn(x).float(), rtol=1e-2, atol=1e-2)
+            for m in (2, 3, 7, 17, 54, 63, 70):
+                assert torch.equal(rows_pointwise(x[:m], op), alone[:m]), (width, op, m)
+            assert torch.equal(rows_pointwise(x[5:8], op), alone[5:8]) and torch.equal(
+                rows_pointwise(x[None, 1:4], op), alone[None, 1:4])  # fmt: skip  # [B, T, D] inputs
+
+
 @needs_onednn
 def test_the_linear_runs_only_planned_call_sizes(monkeypatch):
     """A long call is cut into pieces of planned sizes, the largest that fits first; a remainder of at

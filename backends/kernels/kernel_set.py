@@ -3,14 +3,14 @@
 Each lowering runs the kernel set of its device on every call, whatever the step's size: a lowering
 is one function, and no choice between kernels that give other bits is ever made per call (the
 lossless contract, docs/design.md). Today's set is the CPU's: attention in logical key order
-(backends.kernels.attention, numba, every dtype) and a linear in calls of measured sizes only, on
+(backends.kernels.attention, numba, every dtype), a linear in calls of measured sizes only, on
 ATen's mm for small weights and oneDNN's for the others (backends.kernels.linear, float32 and
-bfloat16). Other devices have none yet: their steps keep the captured ops, and the build-time check
+bfloat16), and transcendental pointwise ops on ATen's vector loop only (backends.kernels.pointwise). Other devices have none yet: their steps keep the captured ops, and the build-time check
 (backends.runtime.invariance) says what that costs. A CUDA
 set joins by adding its entry to `kernel_set` and, where it differs, its own replacement functions.
 
 Compiled lowerings (inductor, AOTInductor) see the kernels as custom ops (`specpass::ordered_attention`,
-`specpass::rows_linear`), opaque to the compiler, so generated code cannot reorder their reductions.
+`specpass::rows_linear`, `specpass::rows_pointwise`, `specpass::rows_softmax`), opaque to the compiler, so generated code cannot reorder their reductions.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from . import attention, linear
+from . import attention, linear, pointwise
 from ...ir import copy_step, query, replace_node
 
 
@@ -41,13 +41,13 @@ def kernel_set(device: torch.device, dtype: torch.dtype) -> KernelSet | None:
     if device.type != "cpu":
         return None
     has_linear = linear.available(device, dtype)
-    return KernelSet("cpu: ordered attention" + (", rows linear" if has_linear else ""), True, has_linear)
+    return KernelSet("cpu: ordered attention, rows pointwise" + (", rows linear" if has_linear else ""), True, has_linear)
 
 
 def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None = None,
                 compiled: bool = False) -> torch.fx.GraphModule:  # fmt: skip
-    """A copy of `gm` whose attention ops and float `nn.Linear`s run the kernel set of gm's device and
-    dtype (gm itself where there is none). packed: id(weight) -> oneDNN-packed weight, shared by the
+    """A copy of `gm` whose attention ops, transcendental pointwise ops and float `nn.Linear`s run the
+    kernel set of gm's device and dtype (gm itself where there is none). packed: id(weight) -> oneDNN-packed weight, shared by the
     graphs lowered together (backends.lowering.onednn.packed_weight; None: linears read their weights as
     they are). compiled: call the kernels as custom ops (for inductor and AOTInductor)."""
     tensor = getattr(gm, "k_cache", None)
@@ -58,7 +58,9 @@ def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None
         return gm
     lowered = copy_step(gm)
     graph = lowered.graph
-    attend, rows_linear = (compiled_ops() if compiled else (attention.ordered_attention, linear.rows_linear))
+    attend, rows_linear, rows_pointwise, rows_softmax = (
+        compiled_ops() if compiled else (attention.ordered_attention, linear.rows_linear, pointwise.rows_pointwise, None)
+    )
     for node in query.attention_ops(graph):
         q, keys, values = node.args[:3]
         mask = node.kwargs["attn_mask"]
@@ -67,12 +69,47 @@ def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None
             new = graph.call_function(attend, (q, _cache_rows(keys), _cache_rows(values), mask,
                                                float(node.kwargs["scale"]), float(softcap or 0.0)))  # fmt: skip
         replace_node(node, new, (new,))
+    for node in list(graph.nodes):
+        op = _pointwise_op(node)
+        if op is not None:
+            with graph.inserting_before(node):
+                new = graph.call_function(rows_pointwise, (node.args[0], op))
+            replace_node(node, new, (new,))
+        elif compiled and _last_dim_softmax(node):  # generated code may vectorise across rows, with a scalar tail
+            with graph.inserting_before(node):
+                new = graph.call_function(rows_softmax, (node.args[0],))
+            replace_node(node, new, (new,))
     if kernels.linear:
         _swap_linears(lowered, rows_linear, packed)
     graph.eliminate_dead_code()
     graph.lint()
     lowered.recompile()
     return lowered
+
+
+_POINTWISE_FUNCTIONS = {torch.nn.functional.silu: "silu", torch.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid",
+                        torch.tanh: "tanh", torch.nn.functional.tanh: "tanh", torch.cos: "cos", torch.sin: "sin"}  # fmt: skip
+_POINTWISE_METHODS = {"sigmoid", "tanh", "cos", "sin"}
+
+
+def _pointwise_op(node: torch.fx.Node) -> str | None:
+    """The name in pointwise.OPS of a transcendental pointwise call (None: not one, or one with
+    arguments the kernel does not take, such as an in-place silu)."""
+    if node.op == "call_method" and node.target in _POINTWISE_METHODS and len(node.args) == 1 and not node.kwargs:
+        return node.target
+    if node.op != "call_function" or len(node.args) != 1:
+        return None
+    if node.target is torch.nn.functional.gelu and set(node.kwargs) <= {"approximate"}:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(node.kwargs.get("approximate", "none"))
+    if node.target in _POINTWISE_FUNCTIONS and not node.kwargs.get("inplace", False) and set(node.kwargs) <= {"inplace"}:
+        return _POINTWISE_FUNCTIONS[node.target]
+    return None
+
+
+def _last_dim_softmax(node: torch.fx.Node) -> bool:
+    """A `x.softmax(dim=-1)` call (a mixture's router): ATen computes each row alone, in the same order."""
+    return (node.op == "call_method" and node.target == "softmax" and len(node.args) == 1
+            and node.kwargs == {"dim": -1})  # fmt: skip
 
 
 def _cache_rows(kv: torch.fx.Node) -> torch.fx.Node:
@@ -122,8 +159,9 @@ def _swap_linears(gm: torch.fx.GraphModule, rows_linear, packed: dict[int, torch
 
 @functools.cache
 def compiled_ops() -> tuple:
-    """(attention, linear) as custom ops `specpass::ordered_attention` and `specpass::rows_linear`,
-    registered at the first call (never at import)."""
+    """(attention, linear, pointwise, softmax) as custom ops `specpass::ordered_attention`,
+    `specpass::rows_linear`, `specpass::rows_pointwise` and `specpass::rows_softmax` (ATen's softmax over
+    the last dimension, kept out of generated code), registered at the first call (never at import)."""
 
     @torch.library.custom_op("specpass::ordered_attention", mutates_args=())
     def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -143,4 +181,21 @@ def compiled_ops() -> tuple:
     def _(x, weight, bias, onednn, sizes):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
-    return torch.ops.specpass.ordered_attention.default, torch.ops.specpass.rows_linear.default
+    @torch.library.custom_op("specpass::rows_pointwise", mutates_args=())
+    def rows_pointwise(x: torch.Tensor, op: str) -> torch.Tensor:
+        return pointwise.rows_pointwise(x, op)
+
+    @rows_pointwise.register_fake
+    def _(x, op):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op("specpass::rows_softmax", mutates_args=())
+    def rows_softmax(x: torch.Tensor) -> torch.Tensor:
+        return x.softmax(dim=-1)
+
+    @rows_softmax.register_fake
+    def _(x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    ops = torch.ops.specpass
+    return ops.ordered_attention.default, ops.rows_linear.default, ops.rows_pointwise.default, ops.rows_softmax.default
