@@ -10,7 +10,7 @@ from torch import nn
 
 from ..common.errors import InvalidParameterError
 from . import decode_step as ds
-from . import ops
+from . import mixture, ops
 from .arch import ArchSpec, arch_spec
 from .draft import SIDE_GRAPHS
 from .families import ModelParts, family_of
@@ -32,6 +32,7 @@ _MODULE_ROLES: dict[type, Role] = {
     ds.AttentionCore: Role.ATTENTION,
     ds.Attention: Role.ATTENTION,
     ds.DecoderBlock: Role.RESIDUAL,
+    mixture.Expert: Role.EXPERT,
 }
 _FUNCTION_ROLES = {  # ir.ops functions, kept as single nodes
     ops.sliding_window_visibility: Role.MASK,
@@ -53,6 +54,9 @@ _NAMED_ROLES = {  # attribute names of the family's submodules in ds.DecodeStep
     "mlp_out_norm": Role.NORM,
     "norm": Role.NORM,
     "mlp": Role.MLP,
+    "router": Role.ROUTER,
+    "shared_expert": Role.SHARED_EXPERT,
+    "shared_expert_gate": Role.SHARED_EXPERT,
     "lm_head": Role.LM_HEAD,
 }
 

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ArchSpec
-from .families import AttentionParts, LayerParts, ModelParts, Rotary
+from .families import AttentionParts, LayerParts, MixtureParts, ModelParts, Rotary
+from .mixture import MixtureOfExperts
 from .ops import sliding_window_visibility, softcapped_attention, write_cache
 
 
@@ -132,6 +133,7 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = parts.q_proj, parts.k_proj, parts.v_proj, parts.o_proj
         self.q_norm, self.k_norm = parts.q_norm, parts.k_norm  # None: no q/k norm
         self.norm_per_head = parts.qk_norm == "head"
+        self.clip = parts.clip  # None: q, k, v unclamped
         self.head_dim = spec.head_dim
         self.split = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
         self.rope = ApplyRope(rotary_dim, spec.head_dim) if parts.rotary is not None else None
@@ -148,6 +150,8 @@ class Attention(nn.Module):
             k = self.k_norm(k.view(b, t, -1, self.head_dim))  # [B, T, KV, D]
         elif self.q_norm is not None:  # over the whole projection (OLMo 2)
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:  # OLMoE's clip_qkv
+            q, k, v = q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip), v.clamp(-self.clip, self.clip)
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, D]
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, D]
@@ -169,7 +173,7 @@ class DecoderBlock(nn.Module):
         self.self_attn = Attention(parts.attention, spec, rotary_dim)
         self.attention_out_norm = parts.attention_out_norm
         self.mlp_norm = parts.mlp_norm
-        self.mlp = parts.mlp
+        self.mlp = MixtureOfExperts(parts.mlp) if isinstance(parts.mlp, MixtureParts) else parts.mlp
         self.mlp_out_norm = parts.mlp_out_norm
         self.residual_scale = parts.residual_scale
 

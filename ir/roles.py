@@ -25,7 +25,10 @@ class Role(enum.Enum):
     CACHE_INDEX = "cache_index"
     CACHE_WRITE = "cache_write"
     ATTENTION = "attention"
-    MLP = "mlp"
+    MLP = "mlp"  # a dense MLP, or a mixture of experts' routing and sum (ir.mixture)
+    ROUTER = "router"  # a mixture's router projection
+    EXPERT = "expert"  # a mixture's routed experts
+    SHARED_EXPERT = "shared_expert"  # a mixture's shared expert and its gate
     RESIDUAL = "residual"
     NORM = "norm"
     LM_HEAD = "lm_head"

@@ -40,6 +40,14 @@ TINY_CONFIGS = {
                 {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
                  "logits_scaling": 4.0}),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {**IN_VOCAB, "no_rope_layers": [1, 0]}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",  # layer 0 dense (decoder_sparse_step 2), a shared expert
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 16, "head_dim": 16}),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", {**IN_VOCAB, "num_experts": 4, "num_experts_per_tok": 2,
+                                                   "clip_qkv": 0.5}),
 }  # fmt: skip
 TINY_ARCHS = tuple(TINY_CONFIGS)
 

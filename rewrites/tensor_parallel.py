@@ -9,7 +9,8 @@ The rest is replicated. Every rank gets the same logits, so every rank's decode 
 after the next sub-layer's all-reduce is issued, so communication overlaps compute.
 
 Invariants: outputs equal the unsharded step's up to rounding of the sums. Refused: no process group,
-counts not divisible by W, fused q/k/v or gate/up, q/k norms over a whole projection, a draft graph, twice.
+counts not divisible by W, fused q/k/v or gate/up, q/k norms over a whole projection, a mixture of experts
+(its experts are not sharded yet), a draft graph, twice.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..common.errors import GraphVerificationError
 from ..ir import arch_of
 from ..ir.draft import draft_graph
 from ..ir.query import residual_adds
-from ..ir.roles import META_KEY, NodeInfo, info
+from ..ir.roles import META_KEY, NodeInfo, Role, info, nodes_with_role
 from ..passes.base import Pass, PassResult
 from .kv_eviction import EVICTION_META
 from .ladder_residual import laddered_layers
@@ -67,6 +68,9 @@ class TensorParallel(Pass):
             return "a step with a draft graph (draft heads, early exit) is not sharded: its side graph would stay whole"
         if EVICTION_META in gm.meta:
             return "a step with KV eviction is not sharded: its eviction graphs read the whole cache"
+        if nodes_with_role(gm.graph, Role.EXPERT):
+            return ("a mixture of experts is not sharded yet: its experts would need expert or width parallelism, "
+                    "and its shared MLP names would be sharded alone")  # fmt: skip
         arch = arch_of(gm)
         sizes = {"attention heads": arch.num_heads, "KV heads": arch.num_kv_heads, "vocabulary": arch.vocab_size}
         sizes |= {"MLP width": _module(gm, n).out_features for n in _linears(gm, ("gate_proj",))[:1]}

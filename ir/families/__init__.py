@@ -9,8 +9,8 @@ from __future__ import annotations
 from torch import nn
 
 from ...common.errors import UnsupportedArchitectureError
-from . import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
-from .base import AttentionParts, Block, Family, LayerParts, ModelParts, Rotary, Scalars
+from . import gemma2, gemma3, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3
+from .base import AttentionParts, Block, Family, LayerParts, MixtureParts, ModelParts, Rotary, Routing, Scalars
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
@@ -23,6 +23,10 @@ FAMILIES: tuple[Family, ...] = (
     olmo2.FAMILY,
     granite.FAMILY,
     smollm3.FAMILY,
+    mixtral.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
+    olmoe.FAMILY,
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
 MODELING_MODULES: tuple[str, ...] = tuple(f.modeling_module for f in FAMILIES)
@@ -43,4 +47,4 @@ def family_of(model: nn.Module) -> Family:
 
 
 __all__ = ["FAMILIES", "MODELING_MODULES", "SUPPORTED_ARCHITECTURES", "AttentionParts", "Block", "Family",
-           "LayerParts", "ModelParts", "Rotary", "Scalars", "family_named", "family_of"]
+           "LayerParts", "MixtureParts", "ModelParts", "Rotary", "Routing", "Scalars", "family_named", "family_of"]

@@ -2,7 +2,8 @@
 
 Every supported family is a pre-norm rotary decoder. `Block` names the HF attributes of a layer's norms
 by where they sit, a fused q/k/v projection, and q/k norms per head or over the whole projection;
-`Scalars` names the config attributes of its multipliers (embedding, residual, logits). Everything else
+`Scalars` names the config attributes of its multipliers (embedding, residual, logits) and clamps;
+`Routing` says how a mixture-of-experts family routes (None: a dense family). Everything else
 is read from the HF modules the same way for every family (`decoder_parts`: softmax scale, soft-capping,
 rotary or not, sliding window, the rotary table per layer type), and ir.decode_step builds the step from
 the `ModelParts` returned, never reaching into a model's attribute names itself.
@@ -49,6 +50,28 @@ class AttentionParts:
     softcap: float | None  # attention-logit soft-capping: cap * tanh(scores / cap) (Gemma 2)
     window: int | None  # sliding window: query at p sees keys at p - window < position <= p
     rotary: int | None  # index into ModelParts.rotaries; None: the layer uses no rotary (NoPE)
+    clip: float | None = None  # q, k and v clamped to [-clip, clip] after the q/k norms (OLMoE's clip_qkv)
+
+
+@dataclass(frozen=True)
+class MixtureParts:
+    """The HF parameters of one mixture-of-experts MLP (ir.mixture), shared, never copied:
+
+        out = sum over the token's top_k experts e of weight_e * down_e(act(gate_e(x)) * up_e(x))
+              + sigmoid(shared_gate(x)) * shared_expert(x)      (where the family has a shared expert)
+
+    The weights: softmax of the router's logits in float32, its top_k, divided by their sum if
+    `normalize`, cast to the model's dtype unless `weights_in_float32`."""
+
+    router: nn.Parameter  # [E, H]
+    gate_up: nn.Parameter  # [E, 2I, H]: each expert's gate rows, then its up rows
+    down: nn.Parameter  # [E, H, I]
+    activation: nn.Module
+    top_k: int
+    normalize: bool
+    weights_in_float32: bool
+    shared_expert: nn.Module | None = None  # a dense MLP every token runs (Qwen2-MoE)
+    shared_gate: nn.Module | None = None  # nn.Linear [1, H]: the shared expert's sigmoid gate
 
 
 @dataclass(frozen=True)
@@ -64,7 +87,7 @@ class LayerParts:
     attention: AttentionParts
     attention_out_norm: nn.Module | None
     mlp_norm: nn.Module | None
-    mlp: nn.Module
+    mlp: nn.Module | MixtureParts  # a dense MLP (HF's module, run as it is) or a mixture of experts
     mlp_out_norm: nn.Module | None
     residual_scale: float = 1.0
 
@@ -106,6 +129,17 @@ class Scalars:
     residual_multiplier: str | None = None  # each sub-layer's output is multiplied by it (Granite)
     logits_divisor: str | None = None  # logits are divided by it (Granite's logits_scaling)
     final_logit_softcap: str | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+    qkv_clip: str | None = None  # q, k, v clamped to [-clip, clip] (OLMoE's clip_qkv)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a mixture-of-experts family weighs a token's experts (its HF router's code, as data).
+    A layer is a mixture where HF's `layer.mlp` has `experts`; other layers stay dense (Qwen2-MoE's
+    `mlp_only_layers`)."""
+
+    normalize: bool | str = "norm_topk_prob"  # the top-k weights divided by their sum: always, or as this config attribute says
+    weights_in_float32: bool = False  # the weights multiply the experts' outputs in float32 (Mixtral) or in the model dtype
 
 
 @dataclass(frozen=True)
@@ -118,6 +152,7 @@ class Family:
     block: Block = field(default_factory=Block)
     scalars: Scalars = field(default_factory=Scalars)
     window_on_every_layer: bool = False  # config.sliding_window applies to all layers (Mistral, Phi-3)
+    routing: Routing | None = None  # a mixture-of-experts family (Mixtral, Qwen2/3-MoE, OLMoE)
 
     def parts(self, model: nn.Module) -> ModelParts:
         return decoder_parts(model, self)
@@ -157,6 +192,7 @@ def decoder_parts(model: nn.Module, family: Family) -> ModelParts:
             softcap=getattr(attn, "attn_logit_softcapping", None),
             window=windows[index],
             rotary=(rotary_of_type[rotary_type] if rotary_of_type else 0) if uses_rope else None,
+            clip=_scalar(config, family.scalars.qkv_clip, None),
         )
         layers.append(
             LayerParts(
@@ -164,7 +200,7 @@ def decoder_parts(model: nn.Module, family: Family) -> ModelParts:
                 attention=attention,
                 attention_out_norm=_norm(layer, block.attention_out_norm),
                 mlp_norm=_norm(layer, block.mlp_norm),
-                mlp=layer.mlp,
+                mlp=_mixture(layer.mlp, config, family.routing) if hasattr(layer.mlp, "experts") else layer.mlp,
                 mlp_out_norm=_norm(layer, block.mlp_out_norm),
                 residual_scale=residual,
             )
@@ -179,6 +215,26 @@ def decoder_parts(model: nn.Module, family: Family) -> ModelParts:
         embed_scale=_scalar(config, scalars.embedding_multiplier, 1.0),
         logit_divisor=_scalar(config, scalars.logits_divisor, 1.0),
         logit_softcap=_scalar(config, scalars.final_logit_softcap, None),
+    )
+
+
+def _mixture(mlp: nn.Module, config, routing: Routing | None) -> MixtureParts:
+    """A HF mixture-of-experts block (`gate`: the router, `experts`: 3D weights [E, 2I, H] and
+    [E, H, I], an optional `shared_expert` with its `shared_expert_gate`) as MixtureParts."""
+    if routing is None:
+        raise AssertionError(f"{type(mlp).__name__} has experts, but its family names no routing")
+    experts = mlp.experts
+    normalize = routing.normalize if isinstance(routing.normalize, bool) else bool(getattr(config, routing.normalize))
+    return MixtureParts(
+        router=mlp.gate.weight,
+        gate_up=experts.gate_up_proj,
+        down=experts.down_proj,
+        activation=experts.act_fn,
+        top_k=int(mlp.gate.top_k),
+        normalize=normalize,
+        weights_in_float32=routing.weights_in_float32,
+        shared_expert=getattr(mlp, "shared_expert", None),
+        shared_gate=getattr(mlp, "shared_expert_gate", None),
     )
 
 
