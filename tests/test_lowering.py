@@ -101,7 +101,7 @@ def test_a_program_runs_one_lowering_and_reports_its_kernels_and_the_check():
     program = specpass.compile_program(model, {"pipeline": specpass.Pipeline(specpass.rewrites.TreeAttention(2))})
     assert program.step.run.lowering == "onednn"
     report = str(program.report)
-    assert "lowering onednn (cpu: ordered attention, rows linear): one function, bit for bit on" in report
+    assert "lowering onednn (cpu: ordered attention, rows pointwise, rows linear): one function, bit for bit on" in report
     assert program.report.invariance.passed and program.report.invariance.compared > 40
     ids = torch.tensor([[3, 5, 7, 9]])
     out = specpass.generate(program, ids, 6).sequences
