@@ -37,6 +37,7 @@ _MODULE_ROLES: dict[type, Role] = {
 _FUNCTION_ROLES = {  # ir.ops functions, kept as single nodes
     ops.sliding_window_visibility: Role.MASK,
     ops.softcapped_attention: Role.ATTENTION,
+    ops.sink_attention: Role.ATTENTION,
     ops.write_cache: Role.CACHE_WRITE,
 }
 _NAMED_ROLES = {  # attribute names of the family's submodules in ds.DecodeStep

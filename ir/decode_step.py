@@ -20,7 +20,7 @@ from torch import nn
 from .arch import ArchSpec
 from .families import AttentionParts, LayerParts, MixtureParts, ModelParts, Rotary
 from .mixture import MixtureOfExperts
-from .ops import sliding_window_visibility, softcapped_attention, write_cache
+from .ops import sink_attention, sliding_window_visibility, softcapped_attention, write_cache
 
 
 class RotaryPositions(nn.Module):
@@ -112,15 +112,18 @@ class CacheSlots(nn.Module):
 class AttentionCore(nn.Module):
     """Grouped-query attention: SDPA reads each K/V head for its group of query heads
     (`enable_gqa`), so the visible cache is never copied per query head; soft-capped logits go
-    through `softcapped_attention`."""
+    through `softcapped_attention`, attention with sinks (gpt-oss) through `sink_attention`."""
 
-    def __init__(self, groups: int, scale: float, softcap: float | None):
+    def __init__(self, groups: int, scale: float, softcap: float | None, sinks: nn.Parameter | None = None):
         super().__init__()
         self.gqa = groups > 1
         self.scale = scale
         self.softcap = softcap
+        self.sinks = sinks  # HF's parameter [H], shared; None: no sinks
 
     def forward(self, q, k, v, mask):  # q [B, H, T, D], k/v [B, KV, S, D], mask [B, 1, T, S]
+        if self.sinks is not None:
+            return sink_attention(q, k, v, attn_mask=mask, scale=self.scale, sinks=self.sinks)
         if self.softcap is not None:
             return softcapped_attention(q, k, v, attn_mask=mask, scale=self.scale, softcap=self.softcap)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
@@ -137,7 +140,9 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.split = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
         self.rope = ApplyRope(rotary_dim, spec.head_dim) if parts.rotary is not None else None
-        self.core = AttentionCore(spec.kv_groups, parts.scale, parts.softcap)
+        if parts.sinks is not None and parts.softcap is not None:
+            raise AssertionError("attention with both sinks and soft-capped logits is not captured")
+        self.core = AttentionCore(spec.kv_groups, parts.scale, parts.softcap, parts.sinks)
 
     def forward(self, x, cos, sin, mask, slots, kv_len, k_cache, v_cache):  # x [B, T, H*D]
         b, t = x.shape[0], x.shape[1]

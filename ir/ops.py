@@ -2,8 +2,8 @@
 
 Rewrites and the verifier find them by target (`ir.query`): a sliding-window layer's mask is
 `sliding_window_visibility(base mask, positions, window)` over the step's one shared mask, and a
-soft-capped attention is `softcapped_attention(...)` where other layers call SDPA; a layer's K and V go
-into the cache through `write_cache(cache, slots, new)`.
+soft-capped attention is `softcapped_attention(...)` and an attention with sinks `sink_attention(...)`
+where other layers call SDPA; a layer's K and V go into the cache through `write_cache(cache, slots, new)`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,22 @@ def softcapped_attention(q, k, v, attn_mask, scale: float, softcap: float):
     return (weights @ v.unsqueeze(2)).reshape(b, h, t, d)  # [B, H, T, D]
 
 
+def sink_attention(q, k, v, attn_mask, scale: float, sinks):
+    """Attention with a learned logit per head in the softmax's denominator (gpt-oss's sinks), as HF's
+    eager attention computes it: softmax over [scores | sink], less the row's max, the sink's column
+    dropped. q [B, H, T, D], k/v [B, KV, S, D], attn_mask [B, 1, T, S] bool, sinks [H]."""
+    b, h, t, d = q.shape
+    kv = k.shape[1]
+    q = q.reshape(b, kv, h // kv, t, d)  # [B, KV, G, T, D]
+    scores = (q @ k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, KV, G, T, S]
+    scores = scores.masked_fill(~attn_mask.unsqueeze(1), float("-inf"))
+    sink = sinks.reshape(1, kv, h // kv, 1, 1).expand(b, -1, -1, t, 1).to(scores.dtype)  # [B, KV, G, T, 1]
+    combined = torch.cat([scores, sink], dim=-1)  # [B, KV, G, T, S + 1]
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    weights = torch.softmax(combined, dim=-1)[..., :-1].to(v.dtype)  # [B, KV, G, T, S]
+    return (weights @ v.unsqueeze(2)).reshape(b, h, t, d)  # [B, H, T, D]
+
+
 def write_cache(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Write each row's new K or V into its own cache slots, in place, and return the rows the step runs.
 
@@ -47,4 +63,4 @@ def write_cache(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> 
     return cache[: new.shape[0]].scatter_(2, index, new)
 
 
-GRAPH_FUNCTIONS = (sliding_window_visibility, softcapped_attention, write_cache)
+GRAPH_FUNCTIONS = (sliding_window_visibility, softcapped_attention, sink_attention, write_cache)

@@ -13,11 +13,11 @@ import operator
 import torch
 import torch.fx
 
-from .ops import sliding_window_visibility, softcapped_attention, write_cache
+from .ops import sink_attention, sliding_window_visibility, softcapped_attention, write_cache
 from .roles import Role, info, nodes_with_role
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
-ATTENTION_FUNCTIONS = (SDPA, softcapped_attention)
+ATTENTION_FUNCTIONS = (SDPA, softcapped_attention, sink_attention)
 
 
 def attention_ops(graph: torch.fx.Graph) -> list[torch.fx.Node]:

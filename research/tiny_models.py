@@ -44,10 +44,15 @@ TINY_CONFIGS = {
     "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",  # layer 0 dense (decoder_sparse_step 2), a shared expert
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                    "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2}),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                                                             "moe_intermediate_size": 16, "head_dim": 16}),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", {**IN_VOCAB, "num_experts": 4, "num_experts_per_tok": 2,
                                                    "clip_qkv": 0.5}),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",  # sinks, alternating windows, clamped SwiGLU experts
+                {**IN_VOCAB, "head_dim": 8, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "sliding_window": WINDOW, "layer_types": LOCAL_AND_GLOBAL,
+                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 8}}),  # 256 / 8
 }  # fmt: skip
 TINY_ARCHS = tuple(TINY_CONFIGS)
 
@@ -56,5 +61,5 @@ def tiny_model(arch: str = "llama", seed: int = 0) -> transformers.PreTrainedMod
     """A tiny random-weight model of `arch` (one of TINY_ARCHS), as HF's own model tests build them."""
     model_class, config_class, extra = TINY_CONFIGS[arch]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**TINY, **extra)
+    config = getattr(transformers, config_class)(**(TINY | extra))
     return getattr(transformers, model_class)(config).eval()

@@ -59,6 +59,31 @@ def test_attention_equals_sdpa_up_to_rounding_and_the_soft_cap_as_hf_computes_it
     torch.testing.assert_close(ordered_attention(q, keys, values, mask, 0.25, softcap=2.0), capped, rtol=1e-5, atol=1e-6)
 
 
+def test_attention_with_sinks_is_gpt_oss_attention_and_a_node_attends_as_alone():
+    """Sinks (a logit per head in the denominator): equal to HF's eager form (ir.ops.sink_attention, and
+    written out here) up to rounding, a sink above every score included; a tree node among others gets
+    the bits of the same query alone."""
+    from specpass.ir.ops import sink_attention
+
+    q, keys, values = _qkv(2, 8, 2, 7, 50, 16)
+    mask = torch.rand(2, 1, 7, 50, generator=torch.Generator().manual_seed(1)) < 0.7
+    mask[..., 0] = True
+    sinks = torch.tensor([0.0, 1.0, -2.0, 3.0, 30.0, 0.5, -0.5, 2.0])  # head 4's sink dwarfs its scores
+    got = ordered_attention(q, keys, values, mask, 0.25, sinks=sinks)
+    torch.testing.assert_close(got, sink_attention(q, keys, values, attn_mask=mask, scale=0.25, sinks=sinks),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    scores = (q @ keys.repeat_interleave(4, dim=1).transpose(-1, -2)) * 0.25  # [B, H, T, S], by hand
+    scores = scores.masked_fill(~mask, float("-inf"))
+    combined = torch.cat([scores, sinks[None, :, None, None].expand(2, -1, 7, 1)], dim=-1).softmax(-1)[..., :-1]
+    torch.testing.assert_close(got, combined @ values.repeat_interleave(4, dim=1), rtol=1e-5, atol=1e-6)
+    assert got[:, 4].abs().max() < 1e-6 < got[:, 0].abs().max()  # the large sink takes nearly all the weight
+    for b, i in ((0, 3), (1, 6)):
+        seen = mask[b, 0, i].nonzero().flatten()
+        alone = ordered_attention(q[b : b + 1, :, i : i + 1], keys[b : b + 1, :, seen], values[b : b + 1, :, seen],
+                                  torch.ones(1, 1, 1, len(seen), dtype=torch.bool), 0.25, sinks=sinks)  # fmt: skip
+        assert torch.equal(alone[0, :, 0], got[b, :, i])
+
+
 def test_attention_reads_only_the_slots_its_mask_covers_and_not_the_thread_count():
     """Cache rows longer than the mask (a step passes its written rows whole) and hidden slots holding
     garbage change nothing; nor does the number of threads."""
@@ -168,7 +193,7 @@ def test_a_kernel_that_depends_on_the_rest_of_the_call_is_refused(monkeypatch):
     keys depends on the call), and a linear whose rounding depends on the number of rows."""
     model = tiny_model("llama")
 
-    def sdpa_attention(q, keys, values, mask, scale, softcap=None):
+    def sdpa_attention(q, keys, values, mask, scale, softcap=None, sinks=None):
         slots = mask.shape[-1]
         return SDPA(q, keys[:, :, :slots], values[:, :, :slots], attn_mask=mask, scale=scale, enable_gqa=True)
 

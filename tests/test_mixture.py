@@ -1,5 +1,5 @@
 """Mixture-of-experts families (Mixtral, Qwen2-MoE with a shared expert and a dense layer, Qwen3-MoE, OLMoE
-with clip_qkv) on tiny random configs: the captured block's roles and shared weights, greedy equal to
+with clip_qkv, gpt-oss with attention sinks and alternating windows) on tiny random configs: the captured block's roles and shared weights, greedy equal to
 HF greedy alone, in batches and with trees of 1, 8 and 64 nodes on every CPU lowering and on ORT, seeded
 sampling equal to one-node sampling, and each rewrite applied or refused by name. The bitwise
 invariance of every family (these included) is tests/test_invariance.py's; capture against HF's
@@ -17,7 +17,7 @@ from specpass.ir.roles import Role, nodes_with_role
 from specpass.rewrites import EarlyExit, LadderResidual, TreeAttention
 from specpass.rewrites.kv_eviction import SinksWindow
 
-MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe")
+MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss")
 
 
 def _peaked(arch: str, seed: int = 2):
@@ -46,7 +46,9 @@ def test_the_captured_mixture_has_its_roles_and_the_models_own_weights(arch):
     gm = capture(model, cache_size=32)
     hf_layers = model.model.layers
     sparse = [i for i, layer in enumerate(hf_layers) if hasattr(layer.mlp, "experts")]
-    assert sparse == ([1] if arch == "qwen2-moe" else [0, 1])  # Qwen2-MoE's layer 0 is dense (decoder_sparse_step 2)
+    assert sparse == ([1] if arch == "qwen2-moe" else [0, 1])
+    assert bool(nodes_with_role(gm.graph, Role.ATTENTION)) and (arch == "gpt-oss") == any(
+        n.op == "get_attr" and n.target.endswith("sinks") for n in gm.graph.nodes)  # fmt: skip  # Qwen2-MoE's layer 0 is dense (decoder_sparse_step 2)
     routers = nodes_with_role(gm.graph, Role.ROUTER)
     assert sorted({info(n).layer for n in routers}) == sparse
     experts = {info(n).layer for n in nodes_with_role(gm.graph, Role.EXPERT) if n.op == "call_module"}
@@ -55,20 +57,22 @@ def test_the_captured_mixture_has_its_roles_and_the_models_own_weights(arch):
     for i in sparse:
         hf = hf_layers[i].mlp
         captured = gm.get_submodule(f"layers.{i}.mlp")
-        assert captured.router.weight.data_ptr() == hf.gate.weight.data_ptr()
-        for e in range(hf.experts.gate_up_proj.shape[0]):  # views of HF's stacked [E, 2I, H] and [E, H, I], never copies
+        router = hf.gate if hasattr(hf, "gate") else hf.router  # gpt-oss: `router`, with a bias
+        assert captured.router.weight.data_ptr() == router.weight.data_ptr()
+        for e in range(hf.experts.gate_up_proj.shape[0]):  # views of HF's stacked weights, never copies
             expert = captured.get_submodule(f"experts.{e}")
             assert expert.gate_up.weight.data_ptr() == hf.experts.gate_up_proj[e].data_ptr()
             assert expert.down.weight.data_ptr() == hf.experts.down_proj[e].data_ptr()
 
 
-@pytest.mark.parametrize("arch", MIXTURES)
-@pytest.mark.parametrize("lowering", ["eager", pytest.param("onednn", marks=needs_onednn)])
+@pytest.mark.parametrize("arch,lowering", [(arch, "eager") for arch in MIXTURES] + [
+    pytest.param("qwen2-moe", "onednn", marks=needs_onednn)])  # fmt: skip  # oneDNN: fused projections, packed weights
 def test_greedy_equals_hf_greedy_alone_in_a_batch_and_with_trees_of_1_8_and_64_nodes(arch, lowering):
     model = _peaked(arch)
     prompts = _prompts(3)
     expected = [_hf_greedy(model, p, 30) for p in prompts]
-    for nodes in (1, 8, 64):
+    window = specpass.ir.arch_spec(model).smallest_window  # trees stay shallower than a sliding window
+    for nodes in (1, 8, 64 if window is None else window - 1):
         options = {"pipeline": specpass.Pipeline(TreeAttention(max(nodes, 2))), "lowering": lowering,
                    "drafter": Combined(PromptLookup(), TokenRecycling()), "budget": nodes, "cache_size": 128}  # fmt: skip
         alone = specpass.generate(model, prompts[0][None], 30, eos_token_id=[], options=options)
@@ -90,10 +94,10 @@ def test_inductor_greedy_equals_hf_greedy_on_a_mixture():
     assert [list(row) for row in batch.new_tokens] == [_hf_greedy(model, p, 24) for p in prompts]
 
 
-def test_a_mixture_exported_to_onnx_decodes_on_ort_as_hf_greedy(tmp_path):
+def test_a_mixture_with_attention_sinks_exported_to_onnx_decodes_on_ort_as_hf_greedy(tmp_path):
     from specpass.backends.onnx.export import export
 
-    model = _peaked("olmoe")
+    model = _peaked("gpt-oss")
     result = export(model, specpass.Pipeline(TreeAttention(16)), str(tmp_path / "onnx"), force=True, progress=False)
     program = specpass.load_onnx(result.directory, cache_size=128, budget=16)
     for prompt in _prompts(2):
@@ -139,6 +143,14 @@ def test_kv_eviction_on_a_mixture_gains_nothing_from_speculation_and_changes_the
         outputs[budget] = specpass.generate(model, prompt[None], 40, eos_token_id=[], options=options)
     assert outputs[8].sequences.tolist() == outputs[1].sequences.tolist()
     assert outputs[8].sequences[0, len(prompt) :].tolist() != _hf_greedy(model, prompt, 40)  # a lossy rewrite
+
+
+def test_kv_eviction_refuses_attention_sinks_by_name_and_leaves_the_graph():
+    gm = capture(tiny_model("gpt-oss"), cache_size=64)
+    before = str(gm.graph)
+    with pytest.raises(PassMismatchError, match="attention has sinks"):
+        specpass.Pipeline(TreeAttention(8), SinksWindow(24, 8, sinks=2)).run(gm)
+    assert str(gm.graph) == before
 
 
 def test_the_ladder_applies_and_tensor_parallelism_is_refused_by_name(one_rank_group):

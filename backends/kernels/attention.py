@@ -111,10 +111,10 @@ def _score_tile_of(queries, block, scores):
             scores[x, j] = acc[x, j]
 
 
-def _attend(q, keys, values, visible, scale, softcap, threads, out):
+def _attend(q, keys, values, visible, scale, softcap, sinks, threads, out):
     """q [B, H, T, D] f32; keys / values [B, KV, S', D] f32 C-contiguous, S' >= S;
-    visible [B, 1, T, S] bool C-contiguous; out [B, H, T, D] f32. softcap <= 0: none. threads: how many
-    run the parallel loops (it sizes the jobs).
+    visible [B, 1, T, S] bool C-contiguous; out [B, H, T, D] f32. softcap <= 0: none. sinks [H] f32 or
+    [0]: none. threads: how many run the parallel loops (it sizes the jobs).
 
     Two passes, each parallel over independent work: the scores of every query of a KV head by blocks
     of 64 keys, then each query's softmax and weighted sum of values."""
@@ -175,7 +175,8 @@ def _attend(q, keys, values, visible, scale, softcap, threads, out):
             n_heads = min(QUERY_BLOCK, group - g0)
             weights[n_heads:] = 0.0  # a missing head's row: computed and never written
             for x in range(n_heads):
-                totals[x] = _softmax_weights(scores[b, kv, t * group + g0 + x], order[:count], softcap, weights[x])
+                totals[x] = _softmax_weights(scores[b, kv, t * group + g0 + x], order[:count], softcap, sinks,
+                                             kv * group + g0 + x, weights[x])  # fmt: skip
             first = kv * group + g0
             _weighted_sum(weights, totals, order[:count], values[b, kv], out[b, first : first + n_heads, t])
 
@@ -193,9 +194,10 @@ _attend_serial = numba.njit(cache=True, boundscheck=False)(_named(_attend, "_att
 
 
 @numba.njit(cache=True, boundscheck=False)
-def _softmax_weights(row, order, softcap, weights):
+def _softmax_weights(row, order, softcap, sinks, head, weights):
     """One query's scores row [S] (soft-capped here when softcap > 0) and its visible slots `order`
-    (ascending): weights[s] = e**(score_s - max over order); returns their sum over `order`, in order."""
+    (ascending): weights[s] = e**(score_s - max over order); returns their sum over `order`, in order.
+    With sinks (sinks.shape[0] > 0), the head's sink joins the max and its e**(sink - max) ends the sum."""
     slots = row.shape[0]
     if softcap > 0:
         for s in range(slots):
@@ -203,11 +205,15 @@ def _softmax_weights(row, order, softcap, weights):
     top = np.float32(-np.inf)
     for n in range(order.shape[0]):
         top = max(top, row[order[n]])
+    if sinks.shape[0] > 0:
+        top = max(top, sinks[head])
     for s in range(slots):
         weights[s] = _exp(row[s] - top)
     total = np.float32(0.0)
     for n in range(order.shape[0]):
         total += weights[order[n]]
+    if sinks.shape[0] > 0:
+        total += _exp(sinks[head] - top)
     return total
 
 
@@ -243,11 +249,11 @@ def _weighted_sum(weights, totals, order, values, out):
 
 
 def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-                      softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The module docstring's attention over the S = mask.shape[-1] first slots of the cache rows.
 
     q [B, H, T, D]; keys / values [B, KV, S' >= S, D] (a step's written cache rows); mask [B, 1, T, S]
-    bool. Returns [B, H, T, D] in q's dtype; other dtypes than float32 are computed in float32 (every
+    bool; sinks [H] (gpt-oss: a logit per head in the softmax's denominator) or None. Returns [B, H, T, D] in q's dtype; other dtypes than float32 are computed in float32 (every
     bfloat16 or float16 value is a float32 exactly)."""
     slots, dtype = mask.shape[-1], q.dtype
     if dtype != torch.float32:
@@ -264,11 +270,13 @@ def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         attend = _attend_parallel
     else:
         attend = _attend_serial
+    sinks = _NO_SINKS if sinks is None else sinks.detach().float().contiguous().numpy()  # [H]
     attend(q.numpy(), keys.numpy(), values.numpy(), mask.numpy(), np.float32(scale), np.float32(softcap or 0.0),
-           threads, out.numpy())  # fmt: skip
+           sinks, threads, out.numpy())  # fmt: skip
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+_NO_SINKS = np.zeros(0, np.float32)
 _START = threading.Lock()
 _started = False
 

@@ -67,7 +67,8 @@ def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None
         softcap = node.kwargs.get("softcap")
         with graph.inserting_before(node):
             new = graph.call_function(attend, (q, _cache_rows(keys), _cache_rows(values), mask,
-                                               float(node.kwargs["scale"]), float(softcap or 0.0)))  # fmt: skip
+                                               float(node.kwargs["scale"]), float(softcap or 0.0),
+                                               node.kwargs.get("sinks")))  # fmt: skip
         replace_node(node, new, (new,))
     for node in list(graph.nodes):
         op = _pointwise_op(node)
@@ -165,11 +166,11 @@ def compiled_ops() -> tuple:
 
     @torch.library.custom_op("specpass::ordered_attention", mutates_args=())
     def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                          scale: float, softcap: float) -> torch.Tensor:  # fmt: skip
-        return attention.ordered_attention(q, keys, values, mask, scale, softcap)
+                          scale: float, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        return attention.ordered_attention(q, keys, values, mask, scale, softcap, sinks)
 
     @ordered_attention.register_fake
-    def _(q, keys, values, mask, scale, softcap):
+    def _(q, keys, values, mask, scale, softcap, sinks):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("specpass::rows_linear", mutates_args=())

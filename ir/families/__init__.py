@@ -9,7 +9,9 @@ from __future__ import annotations
 from torch import nn
 
 from ...common.errors import UnsupportedArchitectureError
-from . import gemma2, gemma3, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3
+from . import (
+    gemma2, gemma3, gpt_oss, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3,
+)  # fmt: skip
 from .base import AttentionParts, Block, Family, LayerParts, MixtureParts, ModelParts, Rotary, Routing, Scalars
 
 FAMILIES: tuple[Family, ...] = (
@@ -27,6 +29,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
     olmoe.FAMILY,
+    gpt_oss.FAMILY,
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)
 MODELING_MODULES: tuple[str, ...] = tuple(f.modeling_module for f in FAMILIES)

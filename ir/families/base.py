@@ -51,23 +51,32 @@ class AttentionParts:
     window: int | None  # sliding window: query at p sees keys at p - window < position <= p
     rotary: int | None  # index into ModelParts.rotaries; None: the layer uses no rotary (NoPE)
     clip: float | None = None  # q, k and v clamped to [-clip, clip] after the q/k norms (OLMoE's clip_qkv)
+    sinks: nn.Parameter | None = None  # [H]: a learned logit per head in the softmax's denominator (gpt-oss)
 
 
 @dataclass(frozen=True)
 class MixtureParts:
     """The HF parameters of one mixture-of-experts MLP (ir.mixture), shared, never copied:
 
-        out = sum over the token's top_k experts e of weight_e * down_e(act(gate_e(x)) * up_e(x))
+        out = sum over the token's top_k experts e of weight_e * down_e(glu(gate_up_e(x)))
               + sigmoid(shared_gate(x)) * shared_expert(x)      (where the family has a shared expert)
 
-    The weights: softmax of the router's logits in float32, its top_k, divided by their sum if
-    `normalize`, cast to the model's dtype unless `weights_in_float32`."""
+    glu: activation(gate) * up over [gate | up] (`clamp` None), or gpt-oss's clamped SwiGLU over
+    interleaved gate / up columns, (up + 1) * gate * sigmoid(alpha * gate), gate <= limit and
+    |up| <= limit (`clamp` = (alpha, limit)). The weights: `Routing`'s order, top_k, renormalised
+    if `normalize`, in the model's dtype unless `weights_in_float32`."""
 
     router: nn.Parameter  # [E, H]
-    gate_up: nn.Parameter  # [E, 2I, H]: each expert's gate rows, then its up rows
-    down: nn.Parameter  # [E, H, I]
-    activation: nn.Module
+    router_bias: nn.Parameter | None  # [E]
+    gate_up: nn.Parameter  # [E, 2I, H], or [E, H, 2I] when `transposed`
+    gate_up_bias: nn.Parameter | None  # [E, 2I]
+    down: nn.Parameter  # [E, H, I], or [E, I, H] when `transposed`
+    down_bias: nn.Parameter | None  # [E, H]
+    transposed: bool  # the experts' weights stored [E, in, out] (gpt-oss)
+    activation: nn.Module | None  # HF's act_fn (None with `clamp`)
+    clamp: tuple[float, float] | None  # (alpha, limit) of gpt-oss's clamped SwiGLU
     top_k: int
+    softmax_first: bool
     normalize: bool
     weights_in_float32: bool
     shared_expert: nn.Module | None = None  # a dense MLP every token runs (Qwen2-MoE)
@@ -140,6 +149,7 @@ class Routing:
 
     normalize: bool | str = "norm_topk_prob"  # the top-k weights divided by their sum: always, or as this config attribute says
     weights_in_float32: bool = False  # the weights multiply the experts' outputs in float32 (Mixtral) or in the model dtype
+    softmax_first: bool = True  # softmax over every expert, then the top k; False: the top k logits, then their softmax (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,7 @@ def decoder_parts(model: nn.Module, family: Family) -> ModelParts:
             window=windows[index],
             rotary=(rotary_of_type[rotary_type] if rotary_of_type else 0) if uses_rope else None,
             clip=_scalar(config, family.scalars.qkv_clip, None),
+            sinks=getattr(attn, "sinks", None),
         )
         layers.append(
             LayerParts(
@@ -219,18 +230,29 @@ def decoder_parts(model: nn.Module, family: Family) -> ModelParts:
 
 
 def _mixture(mlp: nn.Module, config, routing: Routing | None) -> MixtureParts:
-    """A HF mixture-of-experts block (`gate`: the router, `experts`: 3D weights [E, 2I, H] and
-    [E, H, I], an optional `shared_expert` with its `shared_expert_gate`) as MixtureParts."""
+    """A HF mixture-of-experts block (its router `gate` or `router`; `experts` with stacked weights as
+    HF's experts implementations describe them: `is_transposed`, `is_concatenated`, `has_bias`; an
+    optional `shared_expert` with its `shared_expert_gate`) as MixtureParts."""
     if routing is None:
         raise AssertionError(f"{type(mlp).__name__} has experts, but its family names no routing")
+    router = mlp.gate if hasattr(mlp, "gate") else mlp.router
     experts = mlp.experts
+    concatenated = getattr(experts, "is_concatenated", True)
+    clamp = None if concatenated else (float(experts.alpha), float(experts.limit))  # gpt-oss's clamped SwiGLU
+    biased = getattr(experts, "has_bias", False)
     normalize = routing.normalize if isinstance(routing.normalize, bool) else bool(getattr(config, routing.normalize))
     return MixtureParts(
-        router=mlp.gate.weight,
+        router=router.weight,
+        router_bias=getattr(router, "bias", None),
         gate_up=experts.gate_up_proj,
+        gate_up_bias=experts.gate_up_proj_bias if biased else None,
         down=experts.down_proj,
-        activation=experts.act_fn,
-        top_k=int(mlp.gate.top_k),
+        down_bias=experts.down_proj_bias if biased else None,
+        transposed=getattr(experts, "is_transposed", False),
+        activation=getattr(experts, "act_fn", None) if clamp is None else None,
+        clamp=clamp,
+        top_k=int(router.top_k),
+        softmax_first=routing.softmax_first,
         normalize=normalize,
         weights_in_float32=routing.weights_in_float32,
         shared_expert=getattr(mlp, "shared_expert", None),

@@ -23,6 +23,7 @@ import torch.fx
 from ...common.errors import GraphVerificationError, InvalidParameterError
 from ...ir import arch_of, model_parts, query
 from ...ir.draft import resume_graph
+from ...ir.ops import sink_attention
 from ...ir.roles import Role, annotate
 from ...passes.base import CAPTURED, Pass, PassResult
 from . import ops
@@ -93,8 +94,11 @@ class KVEviction(Pass):
     def check(self, gm: torch.fx.GraphModule) -> str | None:
         if EVICTION_META in gm.meta:
             return f"the step already evicts ({type(gm.meta[EVICTION_META]).__name__})"
-        if any(op.target is not query.SDPA for op in query.attention_ops(gm.graph)):
-            return "the model soft-caps its attention logits: the eviction scores would need the cap"
+        other = {op.target for op in query.attention_ops(gm.graph)} - {query.SDPA}
+        if other:
+            return ("the model's attention has sinks: the eviction scores would need the sink's share"
+                    if sink_attention in other else
+                    "the model soft-caps its attention logits: the eviction scores would need the cap")  # fmt: skip
         arch = arch_of(gm)
         if arch.smallest_window is not None:
             window = arch.smallest_window
