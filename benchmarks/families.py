@@ -6,8 +6,11 @@ step and HF's forward (prefill of 40 tokens, 10 cached one-token steps, a 7-node
 of a 20-token prompt, each node against HF on its branch), whether speculative greedy (the combined
 prompt-lookup + Token Recycling tree) equals HF greedy on 3 prompts, and the time `capture` takes
 (median of 3). The embedded default model (30 layers, real weights) gives a real-size capture time.
+`--lowerings inductor onnxrt` also runs that greedy check on the inductor lowering and, exported, on
+ONNX Runtime (minutes: a compile and an export a family); `--archs` picks tiny configs.
 
     python benchmarks/families.py            # writes benchmarks/results/families-<device>.json
+    python benchmarks/families.py --archs mixtral gpt-oss --lowerings inductor onnxrt --prefix families-moe-
 """
 
 from __future__ import annotations
@@ -66,17 +69,25 @@ def step_differences(model) -> dict[str, float]:
     return {"prefill": prefill, "decode": decode, "tree_verify": verify}
 
 
-def greedy_conformance(model) -> dict:
-    """Speculative greedy (combined drafter) against HF greedy on 3 repetitive prompts."""
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # a peaked next-token law, so drafts get accepted
+def greedy_conformance(model, lowering: str = "auto") -> dict:
+    """Speculative greedy (combined drafter) against HF greedy on 3 repetitive prompts (the model's LM
+    head is peaked first: call it once a model). lowering: a lowering's name, or "onnxrt" (exported)."""
     options = {"pipeline": specpass.Pipeline(TreeAttention(16)), "drafter": Combined(PromptLookup(), TokenRecycling()),
-               "cache_size": CACHE}  # fmt: skip
+               "cache_size": CACHE, "lowering": lowering}  # fmt: skip
+    target = model
+    if lowering == "onnxrt":
+        import tempfile
+
+        from specpass.backends.onnx.export import export
+
+        directory = tempfile.mkdtemp(prefix="families-onnx-")
+        export(model, options["pipeline"], directory, force=True, progress=False)
+        target, options = specpass.load_onnx(directory, cache_size=CACHE, budget=16), None
     identical, taus = 0, []
     for seed in range(3):
         ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
         ids = ids.repeat(1, 2)
-        out = specpass.generate(model, ids, max_new_tokens=40, eos_token_id=[], options=options)
+        out = specpass.generate(target, ids, max_new_tokens=40, eos_token_id=[], options=options)
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
                                    eos_token_id=None)  # fmt: skip
         identical += int(torch.equal(out.sequences, reference))
@@ -84,14 +95,18 @@ def greedy_conformance(model) -> dict:
     return {"greedy_identical": f"{identical}/3", "tau": round(statistics.mean(taus), 2)}
 
 
-def run(out_dir: str) -> dict:
+def run(out_dir: str, archs=TINY_ARCHS, lowerings=(), prefix: str = "families-") -> dict:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     results = {}
-    for arch in TINY_ARCHS:
+    for arch in archs:
         model = tiny_model(arch, seed=1)
         row = {"architecture": type(model).__name__, "capture_ms": round(capture_seconds(model) * 1e3, 1)}
         row["max_abs_diff"] = {k: float(f"{v:.2e}") for k, v in step_differences(model).items()}
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)  # a peaked next-token law, so drafts get accepted
         row |= greedy_conformance(model)
+        for lowering in lowerings:
+            row[f"greedy_{lowering}"] = greedy_conformance(model, lowering)
         results[arch] = row
         print(f"{arch:14s} {row}", flush=True)
     model, _ = specpass.load_default_model()
@@ -101,7 +116,7 @@ def run(out_dir: str) -> dict:
     device = torch.device("cpu")
     report = {**run_identity(device), "tiny_config": "2 layers, hidden 32, 4 heads / 2 KV heads, vocab 96",
               "capture_cache_size": CACHE, "families": results, "default_model_capture": default}  # fmt: skip
-    path = write_report(report, out_dir, "families-")
+    path = write_report(report, out_dir, prefix)
     print(f"wrote {path}")
     return report
 
@@ -109,9 +124,15 @@ def run(out_dir: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
-    report = run(parser.parse_args(argv).out)
+    parser.add_argument("--archs", nargs="+", default=list(TINY_ARCHS), choices=TINY_ARCHS)
+    parser.add_argument("--lowerings", nargs="*", default=[], choices=["inductor", "onednn", "eager", "onnxrt"])
+    parser.add_argument("--prefix", default="families-")
+    args = parser.parse_args(argv)
+    report = run(args.out, args.archs, args.lowerings, args.prefix)
     worst = max(v for row in report["families"].values() for v in row["max_abs_diff"].values())
-    every_identical = all(row["greedy_identical"] == "3/3" for row in report["families"].values())
+    every_identical = all(row["greedy_identical"] == "3/3" and all(row[f"greedy_{lw}"]["greedy_identical"] == "3/3"
+                                                                   for lw in args.lowerings)
+                          for row in report["families"].values())  # fmt: skip
     return 0 if worst <= 1e-5 and every_identical else 1
 
 

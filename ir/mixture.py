@@ -94,7 +94,7 @@ class MixtureOfExperts(nn.Module):
             top = top.softmax(dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        weights = torch.zeros_like(logits, dtype=top.dtype).scatter(1, chosen, top)  # [N, E]: 0 for an expert not chosen
+        weights = torch.zeros_like(logits, dtype=top.dtype).scatter(1, chosen, top)  # [N, E]: 0 where not chosen
         if not self.weights_in_float32:
             weights = weights.to(x.dtype)
         out = torch.zeros_like(x)  # [N, H]

@@ -1,9 +1,10 @@
 """Mixture-of-experts families (Mixtral, Qwen2-MoE with a shared expert and a dense layer, Qwen3-MoE, OLMoE
-with clip_qkv, gpt-oss with attention sinks and alternating windows) on tiny random configs: the captured block's roles and shared weights, greedy equal to
-HF greedy alone, in batches and with trees of 1, 8 and 64 nodes on every CPU lowering and on ORT, seeded
-sampling equal to one-node sampling, and each rewrite applied or refused by name. The bitwise
-invariance of every family (these included) is tests/test_invariance.py's; capture against HF's
-prefill and cached steps, tests/test_capture.py's; the property test draws them too."""
+with clip_qkv, gpt-oss with attention sinks and alternating windows) on tiny random configs: the captured
+block's roles and shared weights; greedy equal to HF greedy alone, in batches and with trees of 1, 8 and
+64 nodes (or the window's depth), on the CPU lowerings and on ORT; seeded sampling equal to one-node
+sampling; each rewrite applied or refused by name. The bitwise invariance of every family (these
+included) is tests/test_invariance.py's; capture against HF's prefill and cached steps,
+tests/test_capture.py's; the property test draws them too."""
 
 import pytest
 import torch
@@ -36,7 +37,8 @@ def _prompts(count: int) -> list[torch.Tensor]:
 
 def _hf_greedy(model, prompt: torch.Tensor, new: int) -> list[int]:
     ids = prompt[None]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         eos_token_id=None)  # fmt: skip
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -46,9 +48,9 @@ def test_the_captured_mixture_has_its_roles_and_the_models_own_weights(arch):
     gm = capture(model, cache_size=32)
     hf_layers = model.model.layers
     sparse = [i for i, layer in enumerate(hf_layers) if hasattr(layer.mlp, "experts")]
-    assert sparse == ([1] if arch == "qwen2-moe" else [0, 1])
-    assert bool(nodes_with_role(gm.graph, Role.ATTENTION)) and (arch == "gpt-oss") == any(
-        n.op == "get_attr" and n.target.endswith("sinks") for n in gm.graph.nodes)  # fmt: skip  # Qwen2-MoE's layer 0 is dense (decoder_sparse_step 2)
+    assert sparse == ([1] if arch == "qwen2-moe" else [0, 1])  # Qwen2-MoE's layer 0 is dense (decoder_sparse_step 2)
+    sinks = any(n.op == "get_attr" and n.target.endswith("sinks") for n in gm.graph.nodes)
+    assert sinks == (arch == "gpt-oss")  # the attention reads HF's sinks parameter
     routers = nodes_with_role(gm.graph, Role.ROUTER)
     assert sorted({info(n).layer for n in routers}) == sparse
     experts = {info(n).layer for n in nodes_with_role(gm.graph, Role.EXPERT) if n.op == "call_module"}
@@ -73,25 +75,24 @@ def test_greedy_equals_hf_greedy_alone_in_a_batch_and_with_trees_of_1_8_and_64_n
     expected = [_hf_greedy(model, p, 30) for p in prompts]
     window = specpass.ir.arch_spec(model).smallest_window  # trees stay shallower than a sliding window
     for nodes in (1, 8, 64 if window is None else window - 1):
-        options = {"pipeline": specpass.Pipeline(TreeAttention(max(nodes, 2))), "lowering": lowering,
-                   "drafter": Combined(PromptLookup(), TokenRecycling()), "budget": nodes, "cache_size": 128}  # fmt: skip
+        options = {"pipeline": specpass.Pipeline(TreeAttention(max(nodes, 2))), "lowering": lowering, "budget": nodes,
+                   "drafter": Combined(PromptLookup(), TokenRecycling()), "cache_size": 128}  # fmt: skip
         alone = specpass.generate(model, prompts[0][None], 30, eos_token_id=[], options=options)
         assert alone.sequences[0, len(prompts[0]) :].tolist() == expected[0], nodes
-        ids, mask = padded(prompts)
-        batch = specpass.generate(model, ids, 30, attention_mask=mask, eos_token_id=[], options=options)
-        assert [list(row) for row in batch.new_tokens] == expected, nodes
         assert (alone.stats.tau > 1.0) == (nodes > 1)  # drafts were accepted wherever there were drafts
+    ids, mask = padded(prompts)  # the rows of different lengths, with the largest trees
+    batch = specpass.generate(model, ids, 30, attention_mask=mask, eos_token_id=[], options=options)
+    assert [list(row) for row in batch.new_tokens] == expected
 
 
 @needs_cxx
 def test_inductor_greedy_equals_hf_greedy_on_a_mixture():
-    model = _peaked("qwen2-moe")
-    prompts = _prompts(2)
-    options = {"pipeline": specpass.Pipeline(TreeAttention(16)), "lowering": "inductor", "budget": FIXED_BUDGET,
-               "cache_size": 128}  # fmt: skip
-    ids, mask = padded(prompts)
-    batch = specpass.generate(model, ids, 24, attention_mask=mask, eos_token_id=[], options=options)
-    assert [list(row) for row in batch.new_tokens] == [_hf_greedy(model, p, 24) for p in prompts]
+    """gpt-oss: its attention with sinks and its router's softmax run as custom ops in compiled code."""
+    model = _peaked("gpt-oss")
+    options = {"pipeline": specpass.Pipeline(TreeAttention(8)), "lowering": "inductor", "budget": 8, "cache_size": 128}
+    for prompt in _prompts(2):
+        out = specpass.generate(model, prompt[None], 24, eos_token_id=[], options=options)
+        assert out.sequences[0, len(prompt) :].tolist() == _hf_greedy(model, prompt, 24)
 
 
 def test_a_mixture_with_attention_sinks_exported_to_onnx_decodes_on_ort_as_hf_greedy(tmp_path):
@@ -206,3 +207,39 @@ def test_hydra_heads_trained_on_a_mixture_lower_their_loss_and_decode_as_hf_gree
             out = specpass.generate(model, prompt[None], 24, eos_token_id=[],
                                     options={"pipeline": pipeline, "drafter": drafter, "cache_size": 128})  # fmt: skip
             assert out.sequences[0, len(prompt) :].tolist() == _hf_greedy(model, prompt, 24)
+
+
+def _four_layer_mixture():
+    """Tiny Qwen3-MoE with 4 layers, peaked: room for a layer-skipping draft and a feature draft's layers."""
+    import transformers
+
+    from specpass.research.tiny_models import TINY, TINY_CONFIGS
+
+    model_class, config_class, extra = TINY_CONFIGS["qwen3-moe"]
+    torch.manual_seed(3)
+    config = getattr(transformers, config_class)(**(TINY | extra | {"num_hidden_layers": 4}))
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def test_a_layer_skipping_draft_and_a_trained_feature_draft_on_a_mixture_equal_hf_greedy(tmp_path):
+    from conftest import train_tiny_feature_draft
+
+    from specpass.drafters import Feature
+    from specpass.rewrites import FeatureDraft, LayerSkip
+
+    model = _four_layer_mixture()
+    prompts = _prompts(2)
+    expected = [_hf_greedy(model, p, 24) for p in prompts]
+    skipping = {"pipeline": specpass.Pipeline(TreeAttention(16), LayerSkip((2,))), "drafter": SelfDraft(4),
+                "cache_size": 128, "budget": 5}  # fmt: skip
+    *_, losses = train_tiny_feature_draft(model, str(tmp_path))
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    feature = {"pipeline": specpass.Pipeline(TreeAttention(16), FeatureDraft(str(tmp_path))), "drafter": Feature(),
+               "cache_size": 128, "budget": 12}  # fmt: skip
+    for options in (skipping, feature):
+        for prompt, reference in zip(prompts, expected):
+            out = specpass.generate(model, prompt[None], 24, eos_token_id=[], options=options)
+            assert out.sequences[0, len(prompt) :].tolist() == reference

@@ -5,12 +5,14 @@ is one function, and no choice between kernels that give other bits is ever made
 lossless contract, docs/design.md). Today's set is the CPU's: attention in logical key order
 (backends.kernels.attention, numba, every dtype), a linear in calls of measured sizes only, on
 ATen's mm for small weights and oneDNN's for the others (backends.kernels.linear, float32 and
-bfloat16), and transcendental pointwise ops on ATen's vector loop only (backends.kernels.pointwise). Other devices have none yet: their steps keep the captured ops, and the build-time check
+bfloat16), and transcendental pointwise ops on ATen's vector loop only (backends.kernels.pointwise).
+Other devices have none yet: their steps keep the captured ops, and the build-time check
 (backends.runtime.invariance) says what that costs. A CUDA
 set joins by adding its entry to `kernel_set` and, where it differs, its own replacement functions.
 
 Compiled lowerings (inductor, AOTInductor) see the kernels as custom ops (`specpass::ordered_attention`,
-`specpass::rows_linear`, `specpass::rows_pointwise`, `specpass::rows_softmax`), opaque to the compiler, so generated code cannot reorder their reductions.
+`specpass::rows_linear`, `specpass::rows_pointwise`, `specpass::rows_softmax`), opaque to the compiler,
+so generated code cannot reorder their reductions.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def kernel_set(device: torch.device, dtype: torch.dtype) -> KernelSet | None:
     if device.type != "cpu":
         return None
     has_linear = linear.available(device, dtype)
-    return KernelSet("cpu: ordered attention, rows pointwise" + (", rows linear" if has_linear else ""), True, has_linear)
+    name = "cpu: ordered attention, rows pointwise" + (", rows linear" if has_linear else "")
+    return KernelSet(name, True, has_linear)
 
 
 def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None = None,
@@ -70,6 +73,7 @@ def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None
                                                float(node.kwargs["scale"]), float(softcap or 0.0),
                                                node.kwargs.get("sinks")))  # fmt: skip
         replace_node(node, new, (new,))
+        new.meta.pop("is_wrapped", None)  # the captured op was an autowrapped function (ir.ops); the kernel is not
     for node in list(graph.nodes):
         op = _pointwise_op(node)
         if op is not None:
@@ -88,8 +92,10 @@ def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None
     return lowered
 
 
-_POINTWISE_FUNCTIONS = {torch.nn.functional.silu: "silu", torch.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid",
-                        torch.tanh: "tanh", torch.nn.functional.tanh: "tanh", torch.cos: "cos", torch.sin: "sin"}  # fmt: skip
+_POINTWISE_FUNCTIONS = {
+    torch.nn.functional.silu: "silu", torch.sigmoid: "sigmoid", torch.nn.functional.sigmoid: "sigmoid",
+    torch.tanh: "tanh", torch.nn.functional.tanh: "tanh", torch.cos: "cos", torch.sin: "sin",
+}  # fmt: skip
 _POINTWISE_METHODS = {"sigmoid", "tanh", "cos", "sin"}
 
 
@@ -102,7 +108,7 @@ def _pointwise_op(node: torch.fx.Node) -> str | None:
         return None
     if node.target is torch.nn.functional.gelu and set(node.kwargs) <= {"approximate"}:
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(node.kwargs.get("approximate", "none"))
-    if node.target in _POINTWISE_FUNCTIONS and not node.kwargs.get("inplace", False) and set(node.kwargs) <= {"inplace"}:
+    if node.target in _POINTWISE_FUNCTIONS and set(node.kwargs) <= {"inplace"} and not node.kwargs.get("inplace"):
         return _POINTWISE_FUNCTIONS[node.target]
     return None
 

@@ -209,19 +209,23 @@ class TargetChoice:
         return scores
 
 
-def choose_rows(choices: Sequence[TargetChoice], histories: Sequence[Sequence[int]], tokens: np.ndarray,
-                parents: np.ndarray, sizes: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def choose_rows(
+    choices: Sequence[TargetChoice], histories: Sequence[Sequence[int]], tokens: np.ndarray, parents: np.ndarray,
+    sizes: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """[B, T] int64 (host): the target's choice after each node of every row's tree (tokens, parents
     [B, T] on the host as drafters.TreeRows holds them, sizes [B]; histories: each row's tokens up to
-    its root; logits [B, T, V]; greedy [B, T]: plain greedy's choices). Rows of one `TargetChoice` whose processors read scores only are chosen together: one
-    processed batch, each row's position noise, one argmax. A row whose processors read input_ids
+    its root; logits [B, T, V]; greedy [B, T]: plain greedy's choices). Rows sharing their settings
+    whose processors read scores only are chosen together: one processed batch, each row's position
+    noise, one argmax. A row whose processors read input_ids
     is chosen alone (its nodes' prefixes differ). Each row's choice equals its `TargetChoice` applied
     to that row alone (row-wise warpers; the noise is keyed by (seed, position))."""
     out = greedy.clone()
     groups: dict[tuple, list[int]] = {}
     for b, choice in enumerate(choices):
         if not choice.plain_greedy:
-            key = (id(choice.processors_source), replace(choice.sampling, seed=0)) if not choice.reads_ids else (b,)
+            shared = (id(choice.processors_source), replace(choice.sampling, seed=0))  # the seed only keys the noise
+            key = (b,) if choice.reads_ids else shared
             groups.setdefault(key, []).append(b)
     if not groups:
         return out

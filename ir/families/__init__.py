@@ -12,7 +12,9 @@ from ...common.errors import UnsupportedArchitectureError
 from . import (
     gemma2, gemma3, gpt_oss, granite, llama, mistral, mixtral, olmo2, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3,
 )  # fmt: skip
-from .base import AttentionParts, Block, Family, LayerParts, MixtureParts, ModelParts, Rotary, Routing, Scalars
+from .base import (
+    AttentionParts, Block, Family, LayerParts, MixtureParts, ModelParts, Rotary, Routing, Scalars,
+)  # fmt: skip
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,

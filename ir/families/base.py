@@ -147,9 +147,9 @@ class Routing:
     A layer is a mixture where HF's `layer.mlp` has `experts`; other layers stay dense (Qwen2-MoE's
     `mlp_only_layers`)."""
 
-    normalize: bool | str = "norm_topk_prob"  # the top-k weights divided by their sum: always, or as this config attribute says
-    weights_in_float32: bool = False  # the weights multiply the experts' outputs in float32 (Mixtral) or in the model dtype
-    softmax_first: bool = True  # softmax over every expert, then the top k; False: the top k logits, then their softmax (gpt-oss)
+    normalize: bool | str = "norm_topk_prob"  # top-k weights over their sum: always, or as this config attribute says
+    weights_in_float32: bool = False  # weights scale the experts' outputs in float32 (Mixtral), else in the model dtype
+    softmax_first: bool = True  # softmax over all experts, then top k; False: top-k logits, then their softmax (gpt-oss)
 
 
 @dataclass(frozen=True)
