@@ -8,7 +8,7 @@ tests/test_capture.py's; the property test draws them too."""
 
 import pytest
 import torch
-from conftest import FIXED_BUDGET, needs_cxx, needs_onednn, padded, tiny_model
+from conftest import FIXED_BUDGET, needs_cxx, padded, tiny_model
 
 import specpass
 from specpass.common.errors import PassMismatchError
@@ -67,9 +67,11 @@ def test_the_captured_mixture_has_its_roles_and_the_models_own_weights(arch):
             assert expert.down.weight.data_ptr() == hf.experts.down_proj[e].data_ptr()
 
 
-@pytest.mark.parametrize("arch,lowering", [(arch, "eager") for arch in MIXTURES] + [
-    pytest.param("qwen2-moe", "onednn", marks=needs_onednn)])  # fmt: skip  # oneDNN: fused projections, packed weights
-def test_greedy_equals_hf_greedy_alone_in_a_batch_and_with_trees_of_1_8_and_64_nodes(arch, lowering):
+@pytest.mark.parametrize("arch", MIXTURES)
+def test_greedy_equals_hf_greedy_alone_in_a_batch_and_with_trees_of_1_8_and_64_nodes(arch):
+    """On the eager lowering (oneDNN: tests/test_invariance.py bit for bit, and greedy on every lowering in
+    benchmarks/results/families-moe-lowerings-*.json)."""
+    lowering = "eager"
     model = _peaked(arch)
     prompts = _prompts(3)
     expected = [_hf_greedy(model, p, 30) for p in prompts]
@@ -90,9 +92,10 @@ def test_inductor_greedy_equals_hf_greedy_on_a_mixture():
     """gpt-oss: its attention with sinks and its router's softmax run as custom ops in compiled code."""
     model = _peaked("gpt-oss")
     options = {"pipeline": specpass.Pipeline(TreeAttention(8)), "lowering": "inductor", "budget": 8, "cache_size": 128}
-    for prompt in _prompts(2):
-        out = specpass.generate(model, prompt[None], 24, eos_token_id=[], options=options)
-        assert out.sequences[0, len(prompt) :].tolist() == _hf_greedy(model, prompt, 24)
+    prompt = _prompts(1)[0]
+    out = specpass.generate(model, prompt[None], 24, eos_token_id=[], options=options)
+    assert out.sequences[0, len(prompt) :].tolist() == _hf_greedy(model, prompt, 24)
+    assert out.stats.tau > 1.0
 
 
 def test_a_mixture_with_attention_sinks_exported_to_onnx_decodes_on_ort_as_hf_greedy(tmp_path):

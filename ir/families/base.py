@@ -237,9 +237,11 @@ def _mixture(mlp: nn.Module, config, routing: Routing | None) -> MixtureParts:
         raise AssertionError(f"{type(mlp).__name__} has experts, but its family names no routing")
     router = mlp.gate if hasattr(mlp, "gate") else mlp.router
     experts = mlp.experts
-    concatenated = getattr(experts, "is_concatenated", True)
-    clamp = None if concatenated else (float(experts.alpha), float(experts.limit))  # gpt-oss's clamped SwiGLU
-    biased = getattr(experts, "has_bias", False)
+    clamped = hasattr(experts, "limit")  # gpt-oss's clamped SwiGLU (older transformers lack the layout flags)
+    clamp = (float(experts.alpha), float(experts.limit)) if clamped else None
+    if getattr(experts, "is_concatenated", not clamped) == clamped:
+        raise AssertionError(f"{type(experts).__name__}: a gate layout the capture does not know")
+    biased = hasattr(experts, "gate_up_proj_bias")
     normalize = routing.normalize if isinstance(routing.normalize, bool) else bool(getattr(config, routing.normalize))
     return MixtureParts(
         router=router.weight,
@@ -248,7 +250,7 @@ def _mixture(mlp: nn.Module, config, routing: Routing | None) -> MixtureParts:
         gate_up_bias=experts.gate_up_proj_bias if biased else None,
         down=experts.down_proj,
         down_bias=experts.down_proj_bias if biased else None,
-        transposed=getattr(experts, "is_transposed", False),
+        transposed=getattr(experts, "is_transposed", clamped),
         activation=getattr(experts, "act_fn", None) if clamp is None else None,
         clamp=clamp,
         top_k=int(router.top_k),
