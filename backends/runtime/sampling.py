@@ -245,14 +245,20 @@ def choose_rows(
             scores = scores.view(len(rows), width, -1)  # [n, T, V]
         if first.sampling.do_sample:
             vocab = scores.shape[-1]
-            noise = torch.stack([torch.stack([choices[b].noise(len(histories[b]) + int(d), vocab)
-                                              for d in depths[b, :width]]) for b in rows])  # fmt: skip  # [n, T, V]
+            noise = torch.stack([_depth_noise(choices[b], len(histories[b]), depths[b, :width], vocab)
+                                 for b in rows])  # fmt: skip  # [n, T, V]
             scores = scores + noise.to(scores.device)  # -inf stays -inf
         chosen = scores.argmax(dim=-1).cpu()  # [n, T]
         for i, b in enumerate(rows):
             n = int(sizes[b])
             out[b, :n] = chosen[i, :n]
     return out
+
+
+def _depth_noise(choice: TargetChoice, root_position: int, depths: np.ndarray, vocab: int) -> torch.Tensor:
+    """[T, V]: each node's position noise, one vector per depth (the nodes at a depth share a position)."""
+    per_depth = torch.stack([choice.noise(root_position + d, vocab) for d in range(int(depths.max()) + 1)])  # [D, V]
+    return per_depth[torch.from_numpy(depths)]
 
 
 def node_depths(parents: np.ndarray) -> np.ndarray:
