@@ -6,7 +6,7 @@ the host's work is time the device sits idle: at a 1.5 ms step, every millisecon
 of the speed.
 
 Phases per decode step (milliseconds, the mean over every step of every prompt after a warm-up):
-- `draft`: building the draft tree (Drafting.draft);
+- `draft`: drafting every row's tree (the batch's RowsDrafting.draft);
 - `forward_call`: the program's forward until it returns (a CUDA-graph replay: host-side padding,
   input copies and the launch; a CPU: the whole forward);
 - `forward_wait`: then until the device is done (CUDA only; the loop waits there anyway, for the
@@ -44,13 +44,15 @@ import torch
 import specpass
 from specpass.research import prompts
 from specpass.research.bench import run_identity, write_report
-from specpass.drafters import base
+from specpass.drafters import ChainDrafting, PerRowDrafting
+
+DRAFTINGS = (ChainDrafting, PerRowDrafting)  # the loop's two ways of drafting a batch (Drafter.rows)
 
 PHASES = ("draft", "forward_call", "forward_wait", "commit", "observe", "other")
 
 
 class PhaseClock:
-    """Wraps the decode loop's calls (Drafting.draft / observe, the program's forward / commit) with
+    """Wraps the decode loop's calls (the drafting's draft / observe, the program's forward / commit) with
     timers; `forward_wait` synchronizes the device right after the forward returns. `skip_prefill()`
     before a generation leaves its prompt's forward and commit out."""
 
@@ -95,15 +97,16 @@ class PhaseClock:
                 self._add("forward_wait", time.perf_counter() - returned)
             return out
 
-        self._originals = {"draft": base.Drafting.draft, "observe": base.Drafting.observe}
-        base.Drafting.draft = self._timed("draft", base.Drafting.draft)
-        base.Drafting.observe = self._timed("observe", base.Drafting.observe)
+        self._originals = {(cls, name): getattr(cls, name) for cls in DRAFTINGS for name in ("draft", "observe")}
+        for (cls, name), method in self._originals.items():
+            setattr(cls, name, self._timed(name, method))
         self.program.forward = forward_then_wait
         self.program.commit = self._timed("commit", self.program.commit, skippable="commit")
         return self
 
     def __exit__(self, *exc):
-        base.Drafting.draft, base.Drafting.observe = self._originals["draft"], self._originals["observe"]
+        for (cls, name), method in self._originals.items():
+            setattr(cls, name, method)
         del self.program.forward, self.program.commit  # the instance attributes: the methods show again
 
 

@@ -1,7 +1,7 @@
 """Drafters feeding the tree verifier: training-free (prompt lookup, token recycling, suffix drafting),
 draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
 
-from .base import Combined, Drafter, Drafting, PerRowDrafting, expected_tokens
+from .base import Combined, Drafter, PerRowDrafting, draft_row, expected_tokens, observe_row
 from .chains import ChainDrafting
 from .contract import (
     Chains, ChainSource, DraftModel, DraftSession, RootsOnly, RowsDrafting, TargetForward,
@@ -33,7 +33,6 @@ __all__ = [
     "DrawnCandidate",
     "Drafter",
     "Feature",
-    "Drafting",
     "PerRowDrafting",
     "RootsOnly",
     "RowsDrafting",
@@ -47,5 +46,7 @@ __all__ = [
     "accept_greedy",
     "build_tree",
     "default_drafter",
+    "draft_row",
     "expected_tokens",
+    "observe_row",
 ]

@@ -81,8 +81,8 @@ class Drafter(ABC):
         if at_once is not None:
             return at_once
         seeds = seeds or [0] * len(prompts)
-        rows = [Drafting(self.sessions(p, f, memory, draft, s)) for p, f, s in zip(prompts, prefills, seeds, strict=True)]
-        return PerRowDrafting(rows, drafting_row)
+        sessions = [self.sessions(p, f, memory, draft, s) for p, f, s in zip(prompts, prefills, seeds, strict=True)]
+        return PerRowDrafting(sessions, drafting_row)
 
 
 @dataclass(frozen=True, init=False)
@@ -122,53 +122,35 @@ class Combined(Drafter):
         return [d.start(prompt, prefill, m, draft, seed) for d, m in self.members(memory)]
 
 
-class Drafting:
-    """Runs the sessions of one generation: builds each step's tree and feeds back what was accepted."""
-
-    def __init__(self, sessions: Sequence[DraftSession]):
-        self.sessions = list(sessions)
-
-    def draft(self, tokens: Sequence[int], max_nodes: int, max_depth: int) -> DraftTree:
-        sources = [s.candidates(tokens) for s in self.sessions]
-        return build_tree(tokens[-1], sources, max_nodes, max_depth)
-
-    def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
-        """The exit states of the tree's nodes, if a session computed them all (DraftSession.precomputed)."""
-        return next((states for s in self.sessions if (states := s.precomputed(tree)) is not None), None)
-
-    def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
-        on_path = set(path)
-        for i in range(1, len(tree)):
-            origin = tree.origins[i]
-            if origin is not None and tree.parents[i] in on_path:
-                source, key = origin
-                self.sessions[source].stats.record(key, i in on_path)
-        for session in self.sessions:
-            session.observe(tree, verified, path, tokens)
-
-
 class PerRowDrafting(RowsDrafting):
-    """Each row drafts with its own sessions and the best-first builder (drafters.tree.build_tree)."""
+    """Each row drafts with its own sessions (one per member drafter) and the best-first builder
+    (drafters.tree.build_tree); a batch's sessions of one class first prepare together (draft_rows)."""
 
-    def __init__(self, rows: Sequence[Drafting], drafting_row: Callable[[int], Any] | None = None):
-        self.rows = list(rows)
+    def __init__(self, sessions: Sequence[Sequence[DraftSession]], drafting_row: Callable[[int], Any] | None = None):
+        self.sessions = [list(row) for row in sessions]
         self.drafting_row = drafting_row or (lambda b: contextlib.nullcontext())
+        self.skips = all(session.skips for row in self.sessions for session in row)
 
     def draft(self, histories, max_nodes, max_depths) -> TreeRows:
         by_class: dict[type, list[DraftSession]] = {}
-        for row in self.rows:
-            for session in row.sessions:
+        for row in self.sessions:
+            for session in row:
                 by_class.setdefault(type(session), []).append(session)
         for session_class, sessions in by_class.items():
             session_class.draft_rows(sessions)
         trees = []
-        for b, (row, tokens, depth) in enumerate(zip(self.rows, histories, max_depths, strict=True)):
+        for b, (row, tokens, depth) in enumerate(zip(self.sessions, histories, max_depths, strict=True)):
             with self.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
-                trees.append(row.draft(tokens, max_nodes, depth))
+                trees.append(draft_row(row, tokens, max_nodes, depth))
         return TreeRows.stack(trees)
 
     def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
-        rows = [row.precomputed(trees.row(b)) for b, row in enumerate(self.rows)]
+        """The exit states of every row's nodes, if in each row a session computed them all
+        (DraftSession.precomputed); padding nodes' states are zeros."""
+        rows = []
+        for b, row in enumerate(self.sessions):
+            tree = trees.row(b)
+            rows.append(next((states for s in row if (states := s.precomputed(tree)) is not None), None))
         if any(r is None for r in rows):
             return None
         states = rows[0].new_zeros(len(rows), trees.width, rows[0].shape[-1])  # [B, T, H]
@@ -177,11 +159,30 @@ class PerRowDrafting(RowsDrafting):
         return states
 
     def observe(self, trees, verified, paths, histories) -> None:
-        for b, (row, path, tokens) in enumerate(zip(self.rows, paths, histories, strict=True)):
-            row.observe(trees.row(b), verified.row(b, int(trees.sizes[b])), path, tokens)
+        for b, (row, path, tokens) in enumerate(zip(self.sessions, paths, histories, strict=True)):
+            observe_row(row, trees.row(b), verified.row(b, int(trees.sizes[b])), path, tokens)
 
     def keep(self, rows) -> None:
-        self.rows = [self.rows[i] for i in rows]
+        self.sessions = [self.sessions[i] for i in rows]
+
+
+def draft_row(sessions: Sequence[DraftSession], tokens: Sequence[int], max_nodes: int, max_depth: int) -> DraftTree:
+    """One row's tree rooted at tokens[-1]: its sessions' candidates, merged best first."""
+    return build_tree(tokens[-1], [s.candidates(tokens) for s in sessions], max_nodes, max_depth)
+
+
+def observe_row(sessions: Sequence[DraftSession], tree: DraftTree, verified: TargetForward, path: Sequence[int],
+                tokens: Sequence[int]) -> None:  # fmt: skip
+    """One row's verify step: each drafted node whose parent was accepted is credited to the session
+    that proposed it (accepted or not), then every session observes the step."""
+    on_path = set(path)
+    for i in range(1, len(tree)):
+        origin = tree.origins[i]
+        if origin is not None and tree.parents[i] in on_path:
+            source, key = origin
+            sessions[source].stats.record(key, i in on_path)
+    for session in sessions:
+        session.observe(tree, verified, path, tokens)
 
 
 def expected_tokens(tree: DraftTree) -> list[float]:
@@ -203,4 +204,4 @@ def check_params(owner: str, **params: object) -> None:
         _check_positive_int(owner, name, value)
 
 
-__all__ = ["Combined", "Drafter", "Drafting", "PerRowDrafting", "check_params", "expected_tokens"]
+__all__ = ["Combined", "Drafter", "PerRowDrafting", "check_params", "draft_row", "expected_tokens", "observe_row"]

@@ -115,6 +115,7 @@ class DraftSession(ABC):
     """State of one drafter during one generation."""
 
     stats: AcceptanceStats
+    skips = True  # observe() takes a step that drafted nothing (a one-node tree), and drafting goes on from it
 
     @abstractmethod
     def candidates(self, tokens: Sequence[int]) -> CandidateSource:

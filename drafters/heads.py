@@ -2,7 +2,8 @@
 
 After every verify step the session runs the draft graph on the last accepted token's hidden state; head
 d proposes depth d. Medusa: one call, head d's top-k under every depth d-1 node. Hydra: one call per
-depth, on the `beam` likeliest depth d-1 paths with their tokens. "dynamic" scores a candidate by the
+depth, on the `beam` likeliest depth d-1 paths with their tokens. A batch's rows share these calls
+(`HeadsSession.draft_rows`); a row alone runs the same code. "dynamic" scores a candidate by the
 head's probability, calibrated against what the target accepts; "static" by the acceptance rate of its
 (depth, rank), from heads.json and updated as the target accepts, which makes the best-first tree the one
 of largest expected accepted length (tests/test_heads.py). With `temperature`, candidates are drawn
@@ -82,17 +83,36 @@ class HeadsSession(DraftSession):
         self.stats = HeadStats(priors)
         self.hidden = hidden  # [H] of the token before the root
         self.root = root
+        self.table: dict[tuple[int, ...], list] | None = None  # drafted by draft_rows, not yet handed out
+        self.skips = not config.draws  # a drawn step's sample differs from a plain step's: no timing may pick them
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         self.hidden = verified.hidden[path[-1]]
-        self.root = int(verified.choices[path[-1]])
+        self.root, self.table = int(verified.choices[path[-1]]), None
 
     def candidates(self, tokens: Sequence[int]):
         if tokens[-1] != self.root:
             raise AssertionError("the heads session lost track of the root")  # the decode loop's contract
+        if self.table is None:
+            HeadsSession.draft_rows([self])
+        table, self.table = self.table, None
         if self.heads.design == "hydra":
-            return CandidateTable(self._hydra(), (self.root,), by_path=True)
-        return CandidateTable(self._medusa(), (0,), by_path=False)
+            return CandidateTable(table, (self.root,), by_path=True)
+        return CandidateTable(table, (0,), by_path=False)
+
+    @classmethod
+    @torch.no_grad()
+    def draft_rows(cls, sessions: Sequence[HeadsSession]) -> None:
+        """Each session's candidate table for its next tree, drafted for all of them at once: Medusa in
+        one draft call, Hydra in one call per depth (module docstring); their candidates() hand the
+        tables out. A row's draws come from its own generator, in the order it would draw alone."""
+        groups: dict[tuple, list[HeadsSession]] = {}
+        for s in sessions:
+            groups.setdefault((id(s.draft), s.config), []).append(s)
+        for group in groups.values():
+            tables = _hydra(group) if group[0].heads.design == "hydra" else _medusa(group)
+            for session, table in zip(group, tables, strict=True):
+                session.table = table
 
     def _scored(self, depth: int, tokens: list[int], probs: list[float], drawn: list[Drawn | None]
                 ) -> list[tuple[int, float, tuple, Drawn | None]]:  # fmt: skip
@@ -107,17 +127,17 @@ class HeadsSession(DraftSession):
                 score = [min(score[: r + 1]) for r in range(len(score))]
         return [(t, s, (depth, r, p), d) for r, (t, s, p, d) in enumerate(zip(tokens, score, probs, drawn))]
 
-    def _top(self, tokens: torch.Tensor, heads: torch.Tensor) -> tuple[list[list[int]], list[list[float]], list[list]]:
-        """Row i's head heads[i] on its drafted prefix tokens[i] ([N, K]): its top-k tokens, or its draws
-        in draw order (Heads.temperature), with their draft probabilities and how they were drawn."""
-        logits, vocab = self.draft(self.hidden.expand(len(heads), -1), tokens, heads)  # [N, D], [D]
+    def _ranked(self, logits: torch.Tensor, vocab: torch.Tensor) -> tuple[list[list[int]], list[list[float]], list[list]]:
+        """Each row of this session's logits [n, D]: its top-k tokens, or its draws in draw order
+        (Heads.temperature), with their draft probabilities and how they were drawn."""
+        k = self.config.top_k
         if not self.config.draws:
-            top = logits.float().softmax(-1).topk(self.config.top_k, dim=-1)
-            return vocab[top.indices].tolist(), top.values.tolist(), [[None] * self.config.top_k] * len(heads)
-        law = (logits.float() / self.config.temperature).softmax(-1)  # [N, D]
+            top = logits.float().softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+            return vocab[top.indices].tolist(), top.values.tolist(), [[None] * k] * len(logits)
+        law = (logits.float() / self.config.temperature).softmax(-1)  # [n, D]
         uniform = torch.rand(law.shape, generator=self.generator, device=law.device)
-        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(uniform.dtype).tiny)))  # [N, D]
-        order = (law.log() + gumbel).topk(min(self.config.top_k, law.shape[-1]), dim=-1).indices  # [N, k]: Gumbel-top-k
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(uniform.dtype).tiny)))  # [n, D]
+        order = (law.log() + gumbel).topk(min(k, law.shape[-1]), dim=-1).indices  # [n, k]: Gumbel-top-k
         vocab_ids = vocab.cpu().numpy()
         tokens_out, probs_out, drawn_out = [], [], []
         for row, row_order in zip(law.double().cpu().numpy(), order.tolist()):
@@ -128,32 +148,47 @@ class HeadsSession(DraftSession):
             drawn_out.append([Drawn(draft_law, r, j) for r, j in enumerate(row_order)])
         return tokens_out, probs_out, drawn_out
 
-    def _medusa(self) -> dict[tuple[int, ...], list]:
-        """Candidates per depth, shared by every node of that depth: {(depth,): [(token, score, key)]}."""
-        k = self.heads.num_heads
-        device = self.hidden.device
-        tokens, probs, drawn = self._top(torch.zeros(k, k, dtype=torch.long, device=device), torch.arange(k, device=device))
-        return {(d,): self._scored(d, *ranked) for d, ranked in enumerate(zip(tokens, probs, drawn))}
 
-    def _hydra(self) -> dict[tuple[int, ...], list]:
-        """Candidates per drafted path (root token first): {path: [(token, score, key)]}.
+def _top(sessions: Sequence[HeadsSession], tokens: torch.Tensor, heads: torch.Tensor, counts: Sequence[int]) -> list:
+    """One draft call for every session's rows: session j owns the next counts[j] rows of tokens [N, K]
+    (its drafted prefixes) and heads [N] (which head each row evaluates), all read from its hidden state.
+    Per session: its rows' ranked tokens, probabilities and draws (HeadsSession._ranked)."""
+    hidden = torch.cat([s.hidden.expand(n, -1) for s, n in zip(sessions, counts)])  # [N, H]
+    logits, vocab = sessions[0].draft(hidden, tokens, heads)  # [N, D], [D]
+    return [s._ranked(rows, vocab) for s, rows in zip(sessions, logits.split(list(counts)))]
 
-        Depth d's call evaluates head d on the `beam` best paths so far, each with its path's tokens.
-        """
-        k = self.heads.num_heads
-        device = self.hidden.device
-        out: dict[tuple[int, ...], list] = {}
-        frontier = [((self.root,), 1.0)]
-        for d in range(k):
-            padded = [list(path) + [0] * (k - len(path)) for path, _ in frontier]  # head d reads path only
-            rows = torch.tensor(padded, dtype=torch.long, device=device)  # [N, K]: one host-to-device copy
-            tokens, probs, drawn = self._top(rows, torch.full((len(frontier),), d, dtype=torch.long, device=device))
+
+def _medusa(sessions: Sequence[HeadsSession]) -> list[dict[tuple[int, ...], list]]:
+    """Candidates per depth, shared by every node of that depth: {(depth,): [(token, score, key)]}, per session."""
+    k = sessions[0].heads.num_heads
+    device = sessions[0].hidden.device
+    tokens = torch.zeros(len(sessions) * k, k, dtype=torch.long, device=device)  # Medusa reads no tokens
+    heads = torch.arange(k, device=device).repeat(len(sessions))  # [B * K]: every head, each row
+    ranked = _top(sessions, tokens, heads, [k] * len(sessions))
+    return [{(d,): s._scored(d, *by_head) for d, by_head in enumerate(zip(*r))} for s, r in zip(sessions, ranked)]
+
+
+def _hydra(sessions: Sequence[HeadsSession]) -> list[dict[tuple[int, ...], list]]:
+    """Candidates per drafted path (root token first): {path: [(token, score, key)]}, per session.
+
+    Depth d's call evaluates head d on each session's `beam` best paths so far, each with its path's tokens.
+    """
+    k = sessions[0].heads.num_heads
+    device = sessions[0].hidden.device
+    tables: list[dict] = [{} for _ in sessions]
+    frontiers = [[((s.root,), 1.0)] for s in sessions]
+    for d in range(k):
+        padded = [list(path) + [0] * (k - len(path)) for f in frontiers for path, _ in f]  # head d reads path only
+        rows = torch.tensor(padded, dtype=torch.long, device=device)  # [N, K]: one host-to-device copy
+        heads = torch.full((len(padded),), d, dtype=torch.long, device=device)
+        ranked = _top(sessions, rows, heads, [len(f) for f in frontiers])
+        for j, (s, frontier, (tokens, probs, drawn)) in enumerate(zip(sessions, frontiers, ranked)):
             scored = []
             for (path, score), row_tokens, row_probs, row_drawn in zip(frontier, tokens, probs, drawn):
-                out[path] = self._scored(d, row_tokens, row_probs, row_drawn)
-                scored += [((*path, t), score * s) for t, s, _, _ in out[path]]
-            frontier = sorted(scored, key=lambda item: -item[1])[: self.config.beam]
-        return out
+                tables[j][path] = s._scored(d, row_tokens, row_probs, row_drawn)
+                scored += [((*path, token), score * p) for token, p, _, _ in tables[j][path]]
+            frontiers[j] = sorted(scored, key=lambda item: -item[1])[: s.config.beam]
+    return tables
 
 
 class HeadStats(AcceptanceStats):

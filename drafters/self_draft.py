@@ -53,6 +53,8 @@ class SelfDraft(Drafter):
 
 
 class SelfDraftSession(DraftSession):
+    skips = False  # its chain's lower layers and the depth controller's timings follow every step
+
     def __init__(self, depth: int, draft: DraftModel, device: torch.device, adaptive: bool = False):
         self.depth, self.draft, self.device = depth, draft, device
         self.controller = DepthController(depth) if adaptive else None

@@ -107,7 +107,7 @@ def draft_vocabulary(sequences: list[torch.Tensor], vocab_size: int, size: int) 
     return order[:size].clone()
 
 
-class DraftStep(nn.Module):
+class HeadsStep(nn.Module):
     """The draft graph: heads on hidden states, then `vocab_head` on the chosen head of each row:
     the model's LM head (shared) or, with a draft vocabulary, its rows of that vocabulary.
 

@@ -1,7 +1,7 @@
 """Draft heads: trained Medusa or Hydra heads added to the step as its draft graph.
 
 Papers: Medusa, Hydra (Clover, Chimera, Hidden Transfer for the family). The step gains a draft graph
-(`ir.draft`, kind "heads"; `heads.modules.DraftStep`): the heads on final hidden states, then
+(`ir.draft`, kind "heads"; `heads.modules.HeadsStep`): the heads on final hidden states, then
 `vocab_head` and, for Hydra, the model's own token embedding. Inputs hidden [N, H], tokens [N, K],
 head [N]; outputs logits [N, D] over the draft vocabulary and its ids vocab [D]; config `HeadsConfig`.
 
@@ -76,11 +76,11 @@ class DraftHeads(DraftGraphPass):
 
     def build_draft(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, DraftGraphSpec, str]:
         from ..heads.io import load_heads
-        from ..heads.modules import DraftStep
+        from ..heads.modules import HeadsStep
 
         lm_head, embed_tokens = gm.get_submodule("lm_head"), gm.get_submodule("embed_tokens")
         heads, config = load_heads(self.directory(), lm_head)
-        draft = trace_draft(DraftStep(heads, lm_head, embed_tokens),
+        draft = trace_draft(HeadsStep(heads, lm_head, embed_tokens),
                             {"vocab_head": Role.LM_HEAD, "embed_tokens": Role.EMBED})  # fmt: skip
         arch = arch_of(gm)
         vocab = config.draft_vocab or arch.vocab_size

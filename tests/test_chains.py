@@ -9,7 +9,8 @@ import torch
 
 from specpass.backends.runtime.acceptance import accept_rows
 from specpass.drafters import (
-    Combined, Drafting, DraftTree, PromptLookup, TargetForward, TokenRecycling, TreeRows, accept_greedy,
+    Combined, DraftTree, PromptLookup, TargetForward, TokenRecycling, TreeRows, accept_greedy, draft_row,
+    observe_row,
 )  # fmt: skip
 from specpass.drafters.prompt_lookup import lookup_branches
 from specpass.drafters.chains import ChainDrafting
@@ -69,18 +70,18 @@ def test_rows_drafted_at_once_equal_each_rows_best_first_tree(drafters):
     rows = drafter.rows(prompts, prefills, drafter.new_memory())
     assert isinstance(rows, ChainDrafting)
     shared = drafter.new_memory()  # the rows share one table, as the rows drafted at once do
-    alone = [Drafting(drafter.sessions(p, f, shared)) for p, f in zip(prompts, prefills)]
+    alone = [drafter.sessions(p, f, shared) for p, f in zip(prompts, prefills)]
     histories = [list(p) for p in prompts]
     k = 3 if drafters != "lookup" else 0
     for step in range(6):
         max_nodes, depths = (5, 12, 30)[step % 3], [6, 0, 3, 9]
         trees = rows.draft(histories, max_nodes, depths)
-        expected_trees = [row.draft(history, max_nodes, depth) for row, history, depth in zip(alone, histories, depths)]
+        expected_trees = [draft_row(row, history, max_nodes, depth) for row, history, depth in zip(alone, histories, depths)]
         for b, (row, expected) in enumerate(zip(alone, expected_trees)):
             got = trees.row(b)
             assert got.tokens == expected.tokens and got.parents == expected.parents
             assert np.allclose(got.scores, expected.scores, rtol=1e-12)
-            keys = [_key(origin, row, k) for origin in expected.origins]
+            keys = [_key(origin, k) for origin in expected.origins]
             assert trees.origins[b, : len(expected)].tolist() == keys
             assert not trees.ancestors[b, len(expected) :, : len(expected)].any()  # padding sees only itself
         # one verify step: random target top-k, the greedy path, then both learn from it
@@ -89,14 +90,14 @@ def test_rows_drafted_at_once_equal_each_rows_best_first_tree(drafters):
         verified = TargetForward(topk, torch.zeros(len(prompts), trees.width, 4), topk[..., 0])
         rows.observe(trees, verified, paths, histories)
         for b, (row, history, tree) in enumerate(zip(alone, histories, expected_trees)):
-            row.observe(tree, verified.row(b, len(tree)), paths[b], history)
+            observe_row(row, tree, verified.row(b, len(tree)), paths[b], history)
             history += [tree.tokens[i] for i in paths[b][1:]] + [int(topk[b, paths[b][-1], 0])]
         if k:  # both tables learned the same rows
             assert np.array_equal(shared[-1].by_token, rows.table.by_token)
             assert np.array_equal(shared[-1].by_pair, rows.table.by_pair)
 
 
-def _key(origin, drafting: Drafting, k: int) -> int:
+def _key(origin, k: int) -> int:
     """The array form's stats key of a per-row tree's origin (drafters.chains.ChainDrafting)."""
     if origin is None:
         return -1

@@ -1,12 +1,14 @@
 """The drafting gate (backends.runtime.gate): a step drafts only where drafted steps commit tokens faster
 than plain ones; a step that does not draft is as lossless as one that does."""
 
+import pytest
 import torch
 from conftest import peaked_tiny_model
 
 import specpass
 from specpass.backends.runtime import gate as gate_module
 from specpass.backends.runtime.gate import DraftingGate
+from specpass.drafters import Suffix
 
 
 def test_the_gate_drafts_until_the_evidence_says_plain_steps_are_faster_then_tries_ever_less_often():
@@ -30,9 +32,11 @@ def test_the_gate_drafts_until_the_evidence_says_plain_steps_are_faster_then_tri
     assert gate.drafts() and gate.probe == 2  # drafting again; the tries start over next time
 
 
-def test_steps_that_do_not_draft_equal_hf_greedy_in_a_batch(monkeypatch):
-    """The gate forced to alternate: rows of different lengths (left padding) with the default drafter
-    under the cost budget equal HF greedy, with drafted and plain steps both run."""
+@pytest.mark.parametrize("drafter", [None, Suffix()], ids=["default", "suffix"])
+def test_steps_that_do_not_draft_equal_hf_greedy_in_a_batch(monkeypatch, drafter):
+    """The gate forced to alternate: rows of different lengths (left padding) under the cost budget equal
+    HF greedy, with drafted and plain steps both run, for the default drafter (all rows at once) and for
+    one that drafts row by row through its sessions (Suffix)."""
     choices = []
 
     def alternate(self):
@@ -49,7 +53,8 @@ def test_steps_that_do_not_draft_equal_hf_greedy_in_a_batch(monkeypatch):
     mask = torch.zeros_like(ids)
     for b, r in enumerate(rows):
         ids[b, width - len(r) :], mask[b, width - len(r) :] = r, 1
-    program = specpass.compile_program(model, {"lowering": "eager"}, rows=2)
+    options = {"lowering": "eager"} | ({"drafter": drafter} if drafter is not None else {})
+    program = specpass.compile_program(model, options, rows=2)
     out = specpass.generate(program, ids, 20, attention_mask=mask, eos_token_id=[])
     for b, r in enumerate(rows):
         alone = model.generate(r[None], max_new_tokens=20, do_sample=False, eos_token_id=None)

@@ -11,11 +11,12 @@ import torch
 from conftest import peaked_tiny_model, tiny_model
 
 import specpass
-from specpass.drafters import Candidate, Combined, Drafting, Heads, PromptLookup, TokenRecycling
+import specpass.heads
+from specpass.drafters import Candidate, Combined, Heads, PromptLookup, TokenRecycling, draft_row
 from specpass.drafters.heads import HeadsSession
 from specpass.heads import HeadsMismatchError, load_heads, save_heads
 from specpass.heads.io import read_config, shipped_heads
-from specpass.heads.modules import DraftStep, draft_vocabulary
+from specpass.heads.modules import HeadsStep, draft_vocabulary
 from specpass.research.heads_training import Continuation, TrainConfig, _DraftVocabulary, generate_corpus, train_heads
 from specpass.ir import capture, info, verify
 from specpass.rewrites import DraftHeads, TreeAttention
@@ -135,8 +136,12 @@ def test_pass_refusals_leave_the_graph_unchanged(trained):
 
 def test_the_heads_old_names_still_work_for_one_release(trained, tmp_path):
     """`DraftHeads(kind=...)` (warned), a pipeline JSON naming `kind`, and a heads.json written with
-    "kind" all mean `design`."""
+    "kind" all mean `design`; `heads.DraftStep` (warned) is `heads.HeadsStep`."""
     _, out, _ = trained
+    with pytest.warns(DeprecationWarning, match="HeadsStep"):
+        assert specpass.heads.DraftStep is HeadsStep
+    with pytest.raises(AttributeError):
+        specpass.heads.NoSuchStep
     with pytest.warns(DeprecationWarning, match=r"DraftHeads\(design=...\)"):
         old = DraftHeads(kind="hydra", heads=out["hydra"][0])
     assert old == DraftHeads(design="hydra", heads=out["hydra"][0]) and old.design == "hydra"
@@ -152,19 +157,12 @@ def test_the_heads_old_names_still_work_for_one_release(trained, tmp_path):
 def test_hydra_path_drafted_level_by_level_equals_step_by_step(trained):
     model, out, _ = trained
     _, heads, config, _ = out["hydra"]
-    step = DraftStep(heads, model.lm_head, model.model.embed_tokens).eval()
-
-    class _Draft:
-        def __init__(self):
-            self.config = config
-
-        def __call__(self, hidden, tokens, head):
-            with torch.no_grad():
-                return step(hidden, tokens, head)
+    step = HeadsStep(heads, model.lm_head, model.model.embed_tokens).eval()
 
     hidden = torch.randn(32)
-    session = HeadsSession(Heads(top_k=3, beam=2), _Draft(), hidden, root=7)
-    table = session._hydra()
+    session = HeadsSession(Heads(top_k=3, beam=2), _StepDraft(step, config), hidden, root=7)
+    HeadsSession.draft_rows([session])
+    table = session.table
     for path, candidates in table.items():  # every expanded path: one row, head len(path) - 1, alone
         tokens = torch.zeros(1, 3, dtype=torch.long)
         tokens[0, : len(path)] = torch.tensor(path)
@@ -179,6 +177,56 @@ def test_hydra_path_drafted_level_by_level_equals_step_by_step(trained):
     assert max(len(p) for p in table) == 3  # root + two drafted tokens: heads 1, 2, 3 all ran
 
 
+class _StepDraft:
+    """A heads draft graph as the decode loop hands it to the drafter (eager)."""
+
+    def __init__(self, step, config):
+        self.step, self.config = step, config
+
+    def __call__(self, hidden, tokens, head):
+        with torch.no_grad():
+            return self.step(hidden, tokens, head)
+
+
+@pytest.mark.parametrize("design", ["medusa", "hydra"])
+@pytest.mark.parametrize("temperature", [None, 0.8])
+def test_rows_drafted_at_once_propose_what_each_row_proposes_alone(trained, design, temperature):
+    """HeadsSession.draft_rows: a batch's rows share each draft call, and every row's table (tokens,
+    their draws from its own seeded stream) is the one it drafts alone; the call count shows the sharing."""
+    model, out, _ = trained
+    _, heads, config, _ = out[design]
+    step = HeadsStep(heads, model.lm_head, model.model.embed_tokens).eval()
+    drafter = Heads(tree="static" if temperature else "dynamic", top_k=3, beam=2, temperature=temperature)
+    hidden, roots, seeds = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)), [7, 11, 7], [0, 5, 9]
+
+    def sessions(draft):
+        return [HeadsSession(drafter, draft, h, root=r, seed=s) for h, r, s in zip(hidden, roots, seeds)]
+
+    class _Counting(_StepDraft):
+        calls = 0
+
+        def __call__(self, hidden, tokens, head):
+            type(self).calls += 1
+            return super().__call__(hidden, tokens, head)
+
+    together = sessions(_Counting(step, config))
+    for steps in (1, 2):  # the second step's draws continue each row's stream
+        HeadsSession.draft_rows(together)
+        tables = [s.table for s in together]
+        assert _Counting.calls == (1 if design == "medusa" else 3) * steps  # Hydra: one call per head
+        for alone, table in zip(sessions(_StepDraft(step, config)), tables):
+            for _ in range(steps):
+                HeadsSession.draft_rows([alone])
+            assert alone.table.keys() == table.keys()
+            for key, candidates in table.items():
+                assert [c[0] for c in alone.table[key]] == [c[0] for c in candidates]
+                assert [c[2][:2] for c in alone.table[key]] == [c[2][:2] for c in candidates]  # (depth, rank)
+                for mine, theirs in zip(alone.table[key], candidates):
+                    assert mine[2][2] == pytest.approx(theirs[2][2], rel=1e-5, abs=1e-7)  # draft probability
+                    assert (mine[3] is None) == (theirs[3] is None) == (temperature is None)
+    assert len({tuple(c[0] for v in t.values() for c in v) for t in tables}) > 1  # each row drafts from its own state
+
+
 def test_draft_vocabulary_is_the_most_frequent_training_tokens(trained):
     model, out, corpus = trained
     _, heads, config, _ = out["hydra"]
@@ -187,7 +235,7 @@ def test_draft_vocabulary_is_the_most_frequent_training_tokens(trained):
     assert config.draft_vocab == len(chosen) == len(set(chosen.tolist())) == 48
     assert counts[chosen].min() >= counts[[t for t in range(96) if t not in chosen.tolist()]].max()
     assert draft_vocabulary([torch.tensor([5, 3, 3, 9, 9, 1])], 12, 4).tolist() == [3, 9, 1, 5]  # ties: id order
-    step = DraftStep(heads, model.lm_head, model.model.embed_tokens)
+    step = HeadsStep(heads, model.lm_head, model.model.embed_tokens)
     assert torch.equal(step.vocab_head.weight, model.lm_head.weight[chosen])
     assert not hasattr(out["medusa"][1], "draft_vocab") and out["medusa"][2].draft_vocab == 0  # 8192 >= 96 tokens
     with pytest.raises(specpass.InvalidParameterError, match="draft_vocab"):
@@ -380,16 +428,15 @@ def test_static_heads_tree_is_the_optimal_static_tree(kind, beam):
     config = read_config(shipped_heads(kind))
     session = HeadsSession(Heads(tree="static", beam=beam), _RandomDraft(config), torch.zeros(8), root=7)
     assert all(isinstance(c, Candidate) for c in session.candidates([7]).root_candidates())
-    drafting = Drafting([session])
     for outcomes in range(2):
         if outcomes:  # verify steps move the rates away from the priors: the tree follows them
             for depth, rank, accepted in ((0, 0, False), (0, 0, False), (0, 1, True), (1, 0, False), (2, 3, True)):
                 session.stats.record((depth, rank, 0.5), accepted)
         rates = [[session.stats.rate((d, r)) for r in range(len(row))] for d, row in enumerate(config.accuracy)]
         assert (rates == [list(row) for row in config.accuracy]) == (outcomes == 0)
-        drafted = set(_rank_paths(drafting.draft([7], max_nodes=1 << 20, max_depth=64)))
+        drafted = set(_rank_paths(draft_row([session], [7], max_nodes=1 << 20, max_depth=64)))
         for n in range(2, 65):
-            tree = drafting.draft([7], max_nodes=n, max_depth=64)
+            tree = draft_row([session], [7], max_nodes=n, max_depth=64)
             got, best = _rank_paths(tree), optimal_static_tree(rates, n - 1)
             assert len(got) == len(set(got)) == n - 1
             if set(best) <= drafted:

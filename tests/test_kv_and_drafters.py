@@ -9,8 +9,8 @@ from specpass.backends.runtime.kv import compact
 from specpass.drafters.heads import HeadStats
 from specpass.drafters.stats import ProbabilityCalibration
 from specpass.drafters import (
-    Candidate, Combined, DraftTree, Drafting, PromptLookup, TokenRecycling, TargetForward, accept_greedy, build_tree,
-    expected_tokens,
+    Candidate, Combined, DraftTree, PromptLookup, TokenRecycling, TargetForward, accept_greedy, build_tree,
+    draft_row, expected_tokens,
 )  # fmt: skip
 from specpass.common.errors import InvalidParameterError
 
@@ -67,7 +67,7 @@ def test_built_tree_prefixes_are_trees_and_merge_duplicates():
     tokens = [1, 2, 3, 9, 1, 2, 3]
     topk = torch.tensor([[2, 5], [3, 6], [9, 4], [1, 1], [2, 0], [3, 0], [9, 8]])
     sessions = Combined(PromptLookup(), TokenRecycling(top_k=2)).sessions(tokens, _verified(topk))
-    tree = Drafting(sessions).draft(tokens, max_nodes=6, max_depth=4)
+    tree = draft_row(sessions, tokens, max_nodes=6, max_depth=4)
     # prompt lookup copies 9 1 2 3 after "1 2 3"; token recycling's successors of 3 are 9 and 8
     assert tree.tokens == (3, 9, 1, 2, 3, 8) and tree.parents == (-1, 0, 1, 2, 3, 0)
     pairs = [(tree.parents[i], tree.tokens[i]) for i in range(1, len(tree))]

@@ -175,17 +175,17 @@ def test_the_self_draft_is_one_more_proposer_in_the_combined_tree(monkeypatch):
     """Combined(SelfDraft, PromptLookup, TokenRecycling): the self-draft's chain competes for nodes in
     the one tree (verified by the full step when the tree is not its chain alone); greedy stays HF's,
     and some accepted nodes are the self-draft's."""
-    from specpass.drafters import Combined, Drafting, PromptLookup, TokenRecycling
+    from specpass.drafters import Combined, PromptLookup, TokenRecycling, base
 
     model = _deep_tiny(seed=2, peaked=True)
     accepted_sources = []
-    observe = Drafting.observe
+    observe = base.observe_row
 
-    def recording(self, tree, verified, path, tokens):
+    def recording(sessions, tree, verified, path, tokens):
         accepted_sources.extend(tree.origins[i][0] for i in path[1:])
-        return observe(self, tree, verified, path, tokens)
+        return observe(sessions, tree, verified, path, tokens)
 
-    monkeypatch.setattr(Drafting, "observe", recording)
+    monkeypatch.setattr(base, "observe_row", recording)
     options = {"pipeline": specpass.Pipeline(TreeAttention(16), LayerSkip((2,))),
                "drafter": Combined(SelfDraft(4), PromptLookup(), TokenRecycling()),
                "cache_size": 128, "budget": 5}  # fmt: skip
