@@ -50,20 +50,31 @@ class _Histories:
         span = max(64, 2 * max(map(len, prompts)))
         self.tokens = np.full((len(prompts), span), -1, dtype=np.int64)  # [B, S]
         self.lengths = np.zeros(len(prompts), dtype=np.int64)  # [B]
+        self.known = [0] * len(prompts)  # lengths as Python ints: read every step, row by row
 
     def sync(self, histories: Sequence[Sequence[int]]) -> None:
-        longest = max(map(len, histories))
-        if longest > self.tokens.shape[1]:
-            grow = max(longest, 2 * self.tokens.shape[1]) - self.tokens.shape[1]
+        """Writes each row's tokens past its known length, all rows in one scatter (a step adds a few a row)."""
+        ends = [len(h) for h in histories]
+        if ends == self.known:
+            return
+        if max(ends) > self.tokens.shape[1]:
+            grow = max(max(ends), 2 * self.tokens.shape[1]) - self.tokens.shape[1]
             self.tokens = np.pad(self.tokens, ((0, 0), (0, grow)), constant_values=-1)
-        for b, history in enumerate(histories):
-            n = int(self.lengths[b])
-            if len(history) > n:
-                self.tokens[b, n : len(history)] = history[n:]
-                self.lengths[b] = len(history)
+        rows: list[int] = []
+        columns: list[int] = []
+        values: list[int] = []
+        for b, (history, start, end) in enumerate(zip(histories, self.known, ends)):
+            if end > start:
+                rows += [b] * (end - start)
+                columns += range(start, end)
+                values += history[start:end]
+        self.tokens[rows, columns] = values
+        self.known = [max(k, e) for k, e in zip(self.known, ends)]
+        self.lengths = np.array(self.known, dtype=np.int64)
 
     def keep(self, rows: Sequence[int]) -> None:
         self.tokens, self.lengths = self.tokens[list(rows)], self.lengths[list(rows)]
+        self.known = [self.known[i] for i in rows]
 
 
 class ChainDrafting(RowsDrafting):
@@ -132,15 +143,14 @@ class ChainDrafting(RowsDrafting):
     def observe(self, trees: TreeRows, verified: TargetForward, paths, histories) -> None:
         from . import kernels  # compiled on first use
 
-        self.histories.sync(histories)  # where no draft did: each row ends at its tree's root
-        lengths = np.array([len(p) for p in paths], dtype=np.int64)
+        lengths = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
         flat = np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64, count=int(lengths.sum()))
         table = self.table if self.table is not None else _NO_TABLE
         origins = trees.origins if trees.origins is not None else np.full(trees.tokens.shape, -1, dtype=np.int64)
         if self.table is not None:
             self.table.reserve(int(trees.tokens.max()))
-        tokens, ends = self.histories.tokens, self.histories.lengths  # synced: each row ends at its root
-        root_previous = np.where(ends > 1, tokens[np.arange(len(paths)), np.maximum(ends - 2, 0)], -1)
+        # each history ends at its tree's root; the rows' arrays catch up at the next draft (a plain step has none)
+        root_previous = np.fromiter((h[-2] if len(h) > 1 else -1 for h in histories), dtype=np.int64, count=len(paths))
         kernels.learn(trees.tokens, trees.parents, origins, trees.sizes, flat, lengths, root_previous,
                       verified.topk.numpy(), self.rates.tried, self.rates.accepted, table.by_token, table.pair_keys,
                       table.by_pair)  # fmt: skip

@@ -8,6 +8,7 @@ the loop moves tokens and masks to the device once per step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,10 +54,10 @@ class TreeRows:
 
     @classmethod
     def roots(cls, tokens: Sequence[int]) -> TreeRows:
-        """One-node trees: each row verifies its root only."""
-        rows = len(tokens)
-        return cls(np.asarray(tokens, dtype=np.int64).reshape(rows, 1), np.full((rows, 1), -1, dtype=np.int64),
-                   np.ones((rows, 1)), np.ones(rows, dtype=np.int64), np.ones((rows, 1, 1), dtype=bool))  # fmt: skip
+        """One-node trees: each row verifies its root only (a plain step: built every step, so the
+        arrays every batch of this size shares are made once; nothing writes into a TreeRows)."""
+        tokens = np.fromiter(tokens, dtype=np.int64, count=len(tokens))[:, None]  # [B, 1]
+        return cls(tokens, *_one_node_rows(len(tokens)))
 
     def prefix(self, size: int) -> TreeRows:
         """Every row cut to its first min(size, sizes[b]) nodes (a best-first prefix is a tree)."""
@@ -82,6 +83,13 @@ class TreeRows:
         size = int(self.sizes[b])
         return DraftTree(tuple(self.tokens[b, :size].tolist()), tuple(self.parents[b, :size].tolist()),
                          tuple(self.scores[b, :size].tolist()), (None,) * size)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _one_node_rows(rows: int) -> tuple[np.ndarray, ...]:
+    """parents, scores, sizes, ancestors of `rows` one-node trees (shared: never written)."""
+    return (np.full((rows, 1), -1, dtype=np.int64), np.ones((rows, 1)), np.ones(rows, dtype=np.int64),
+            np.ones((rows, 1, 1), dtype=bool))  # fmt: skip
 
 
 def first_branches(trees: TreeRows) -> TreeRows:

@@ -32,6 +32,19 @@ def test_the_gate_drafts_until_the_evidence_says_plain_steps_are_faster_then_tri
     assert gate.drafts() and gate.probe == 2  # drafting again; the tries start over next time
 
 
+def test_a_wide_batch_step_is_evidence_enough():
+    """One drafted step of 32 rows holds 32 rows' outcomes: the gate may stop drafting after it; a step
+    of 8 rows is not, and four of them are."""
+    wide = DraftingGate()
+    wide.record(True, tokens=32, seconds=2.0, plain_seconds=1.0, rows=32)  # nothing accepted, twice the time
+    assert not wide.ahead()
+    narrow = DraftingGate()
+    for step in range(4):
+        assert narrow.ahead(), step
+        narrow.record(True, tokens=8, seconds=2.0, plain_seconds=1.0, rows=8)
+    assert not narrow.ahead()
+
+
 @pytest.mark.parametrize("drafter", [None, Suffix()], ids=["default", "suffix"])
 def test_steps_that_do_not_draft_equal_hf_greedy_in_a_batch(monkeypatch, drafter):
     """The gate forced to alternate: rows of different lengths (left padding) under the cost budget equal

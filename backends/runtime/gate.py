@@ -6,7 +6,8 @@ verifying a tree cost more than the tokens it adds (docs/experiments.md, "The ho
 The gate compares tokens committed per second over the last `window` steps of each kind: drafted
 steps (measured), and plain steps (one node, nothing drafted: estimated from each drafted step
 without its drafting and its extra verify width, measured where plain steps run). A step's tokens
-vary from one to a whole branch, so it decides only after `evidence` drafted steps; while drafting is
+vary from one to a whole branch, so it decides only after `evidence` drafted steps, or fewer steps
+holding `evidence_rows` rows' outcomes (a batch's step is many rows' evidence); while drafting is
 ahead every step drafts; once behind, steps run plain and a drafted step is tried after `probe`
 steps, an interval that doubles (up to `max_probe`) while drafting stays behind. It only chooses
 between two lossless steps: no token depends on it.
@@ -22,11 +23,13 @@ from dataclasses import dataclass, field
 class DraftingGate:
     window: int = 8  # steps of each kind the rates are summed over
     evidence: int = 4  # drafted steps before the gate may stop drafting
+    evidence_rows: int = 32  # or drafted steps of this many rows in all
     first_probe: int = 4  # plain steps before the first drafted try, once drafting fell behind
     max_probe: int = 32
     probe: int = 4
     until_probe: int = 4
     drafted: deque = field(default_factory=deque)  # (tokens, seconds) of the last drafted steps
+    drafted_rows: int = 0  # rows of every drafted step so far
     plain: deque = field(default_factory=deque)  # (tokens, seconds) of plain steps, run or estimated
 
     def drafts(self) -> bool:
@@ -46,6 +49,7 @@ class DraftingGate:
         plain step of its `rows` rows (one token each) would have taken."""
         behind_before = not self.ahead()
         _append(self.drafted if drafted else self.plain, (tokens, seconds), self.window)
+        self.drafted_rows += rows if drafted else 0
         if plain_seconds is not None:
             _append(self.plain, (rows, max(plain_seconds, 1e-9)), self.window)
         if behind_before and self.ahead():  # drafting caught up: tries start over when it next falls behind
@@ -53,7 +57,7 @@ class DraftingGate:
 
     def ahead(self) -> bool:
         """Drafting is ahead, or there is not yet the evidence to say it is not."""
-        if len(self.drafted) < self.evidence or not self.plain:
+        if (len(self.drafted) < self.evidence and self.drafted_rows < self.evidence_rows) or not self.plain:
             return True
         return _rate(self.drafted) >= _rate(self.plain)
 
