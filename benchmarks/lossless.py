@@ -36,6 +36,7 @@ CODE_OFFSET, CHAT_OFFSET = 140, 10
 # configuration: (drafter, the passes after TreeAttention(64))
 TORCH_CONFIGS = {
     "prompt_lookup": ("prompt-lookup", ()),
+    "copy_spec": ("copy-spec", ()),
     "token_recycling": ("token-recycling", ()),
     "combined": ("combined", ()),
     "medusa": ("heads", (specpass.rewrites.DraftHeads(design="medusa"),)),

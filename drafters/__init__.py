@@ -1,8 +1,9 @@
-"""Drafters feeding the tree verifier: training-free (prompt lookup, token recycling, suffix drafting),
+"""Drafters feeding the tree verifier: training-free (prompt lookup, CopySpec, token recycling, suffix drafting),
 draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
 
 from .base import Combined, Drafter, PerRowDrafting, draft_row, expected_tokens, observe_row
 from .chains import ChainDrafting
+from .copy_spec import CopySpec
 from .contract import (
     Chains, ChainSource, DraftModel, DraftSession, RootsOnly, RowsDrafting, TargetForward,
 )  # fmt: skip
@@ -27,6 +28,7 @@ __all__ = [
     "ChainSource",
     "Chains",
     "Combined",
+    "CopySpec",
     "DraftModel",
     "DraftSession",
     "DraftTree",

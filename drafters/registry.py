@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import default_drafter
 from .base import Combined, Drafter
+from .copy_spec import CopySpec
 from .feature import Feature
 from .heads import Heads
 from .prompt_lookup import PromptLookup
@@ -15,6 +16,7 @@ from ..common.errors import InvalidParameterError
 DRAFTERS = {
     "combined": default_drafter,  # prompt lookup + token recycling (training-free)
     "prompt-lookup": PromptLookup,
+    "copy-spec": CopySpec,  # CopySpec: the copy after the first occurrence of the last 3 tokens
     "token-recycling": TokenRecycling,
     "suffix": Suffix,  # suffix drafting over this prompt and earlier generations of the program
     "suffix-combined": lambda: Combined(PromptLookup(), TokenRecycling(), Suffix()),

@@ -1,0 +1,77 @@
+"""CopySpec (drafters.copy_spec): its chain is the copy after the earliest earlier occurrence of the last
+gamma tokens (against a brute-force search), grown step by step as rows advance and drop out; it drafts
+every row at once, alone and with the other chain sources; greedy equals HF greedy."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import padded, peaked_tiny_model
+
+import specpass
+from specpass.drafters import ChainDrafting, Combined, CopySpec, PromptLookup, TargetForward, TokenRecycling
+from specpass.drafters.copy_spec import CopyChains
+
+
+def _copy_by_brute_force(row: list[int], gamma: int, copy: int) -> list[int]:
+    """The tokens after the first start s with row[s:s+gamma] == the last gamma tokens, s + gamma < len(row)."""
+    n = len(row)
+    for s in range(n - gamma):
+        if n > gamma and row[s : s + gamma] == row[n - gamma :]:
+            return row[s + gamma : s + gamma + copy]
+    return []
+
+
+@pytest.mark.parametrize("gamma, copy", [(3, 10), (1, 4), (2, 16)])
+def test_the_chain_is_the_copy_after_the_first_occurrence(gamma, copy):
+    gen = torch.Generator().manual_seed(gamma)
+    rows = [torch.randint(0, 5, (n,), generator=gen).tolist() for n in (2, 9, 30, 17)]  # few tokens: many repeats
+    source = CopyChains(CopySpec(gamma=gamma, copy=copy))
+    found = 0
+    for step in range(25):
+        history = np.full((len(rows), max(map(len, rows)) + 3), -1, dtype=np.int64)  # -1 past each row
+        for b, row in enumerate(rows):
+            history[b, : len(row)] = row
+        chains = source.chains(history, np.array([len(r) for r in rows]))
+        assert chains.tokens.shape == (len(rows), 1, copy) and chains.divisors.shape == (len(rows), 1)
+        for b, row in enumerate(rows):
+            expected = _copy_by_brute_force(row, gamma, copy)
+            got = [t for t in chains.tokens[b, 0].tolist() if t >= 0]
+            assert got == expected, (step, b)
+            found += bool(expected)
+        assert chains.keys[0, 0].tolist() == [min(gamma + k, 10) for k in range(copy)]  # the match length extended
+        for row in rows:  # each row grows by 1 to 3 tokens, as accepted paths do
+            row += torch.randint(0, 5, (1 + step % 3,), generator=gen).tolist()
+        if step == 12:  # row 1 finishes: the others go on as rows 0, 1, 2
+            source.keep([0, 2, 3])
+            rows = [rows[0], rows[2], rows[3]]
+    assert found > 20
+
+
+def test_a_row_with_no_repeat_drafts_nothing_and_the_suffix_never_matches_itself():
+    source = CopyChains(CopySpec(gamma=3, copy=5))
+    history = np.array([[1, 2, 3, 4, 5, 6], [7, 8, 9, 7, 8, 9]])
+    chains = source.chains(history, np.array([6, 6]))
+    assert chains.tokens[0, 0].tolist() == [-1] * 5  # "4 5 6" occurs only as the suffix
+    assert chains.tokens[1, 0].tolist() == [7, 8, 9, -1, -1]  # after "7 8 9" at 0: the copy stops at the end
+
+
+@pytest.mark.parametrize("drafter", [CopySpec(), Combined(CopySpec(), PromptLookup(), TokenRecycling())],
+                         ids=["alone", "combined"])  # fmt: skip
+def test_copy_spec_drafts_every_row_at_once_and_equals_hf_greedy(drafter):
+    """Rows of different lengths, each with a repeated stretch to copy: every row equals HF greedy alone,
+    drafts were accepted, and the batch drafted at once (drafters.chains), also combined."""
+    model = peaked_tiny_model()
+    prefill = TargetForward(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
+    assert isinstance(drafter.rows([[1, 2]], [prefill], drafter.new_memory()), ChainDrafting)
+    gen = torch.Generator().manual_seed(11)
+    prompts = []
+    for n in (10, 19, 7):
+        head = torch.randint(3, 96, (n,), generator=gen)
+        prompts.append(torch.cat([head, head, head[:4]]))  # the continuation of a repeat is in the prompt
+    ids, mask = padded([p[None] for p in prompts])
+    out = specpass.generate(model, ids, 24, attention_mask=mask, eos_token_id=[],
+                            options={"lowering": "eager", "drafter": drafter, "budget": 8})  # fmt: skip
+    for b, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], max_new_tokens=24, do_sample=False, eos_token_id=None)
+        assert list(out.new_tokens[b]) == alone[0, len(prompt) :].tolist(), b
+    assert sum(s.new_tokens for s in out.stats) / sum(s.target_forwards for s in out.stats) > 1.3
