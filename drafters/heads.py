@@ -14,6 +14,7 @@ by its token. Medusa's nodes of one depth share one draw; Hydra draws per path.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,7 +156,11 @@ def _top(sessions: Sequence[HeadsSession], tokens: torch.Tensor, heads: torch.Te
     Per session: its rows' ranked tokens, probabilities and draws (HeadsSession._ranked)."""
     hidden = torch.cat([s.hidden.expand(n, -1) for s, n in zip(sessions, counts)])  # [N, H]
     logits, vocab = sessions[0].draft(hidden, tokens, heads)  # [N, D], [D]
-    return [s._ranked(rows, vocab) for s, rows in zip(sessions, logits.split(list(counts)))]
+    if sessions[0].config.draws:  # each session draws from its own stream
+        return [s._ranked(rows, vocab) for s, rows in zip(sessions, logits.split(list(counts)))]
+    tokens_all, probs_all, none = sessions[0]._ranked(logits, vocab)  # one top-k for every row
+    ends = list(itertools.accumulate(counts))
+    return [(tokens_all[e - n : e], probs_all[e - n : e], none[e - n : e]) for n, e in zip(counts, ends)]
 
 
 def _medusa(sessions: Sequence[HeadsSession]) -> list[dict[tuple[int, ...], list]]:
