@@ -1,6 +1,7 @@
-"""Drafters feeding the tree verifier: training-free (prompt lookup, CopySpec, token recycling, suffix drafting),
-draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
+"""Drafters feeding the tree verifier: training-free (prompt lookup, CopySpec, ADED, token recycling,
+suffix drafting), draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
 
+from .aded import Aded
 from .base import Combined, Drafter, PerRowDrafting, draft_row, expected_tokens, observe_row
 from .chains import ChainDrafting
 from .copy_spec import CopySpec
@@ -23,6 +24,7 @@ def default_drafter() -> Drafter:
 
 
 __all__ = [
+    "Aded",
     "Candidate",
     "ChainDrafting",
     "ChainSource",

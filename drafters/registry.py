@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import default_drafter
+from .aded import Aded
 from .base import Combined, Drafter
 from .copy_spec import CopySpec
 from .feature import Feature
@@ -18,6 +19,7 @@ DRAFTERS = {
     "prompt-lookup": PromptLookup,
     "copy-spec": CopySpec,  # CopySpec: the copy after the first occurrence of the last 3 tokens
     "token-recycling": TokenRecycling,
+    "aded": Aded,  # ADED: a tri-gram table adapted to the model's text, searched by MCTS
     "suffix": Suffix,  # suffix drafting over this prompt and earlier generations of the program
     "suffix-combined": lambda: Combined(PromptLookup(), TokenRecycling(), Suffix()),
     "heads": Heads,  # draft heads, dynamic tree (needs DraftHeads in the pipeline)

@@ -131,6 +131,30 @@ def padded(prompts: list[torch.Tensor], left: bool = True, pad: int = 0) -> tupl
     return ids, mask
 
 
+def repeating_rows_tau(drafter, seed: int, heads: tuple[int, ...], tail: int, new_tokens: int) -> float:
+    """A batch of rows on the peaked tiny model, row b its random head of heads[b] tokens, the head again
+    and its first `tail` tokens: asserts the drafter drafts them at once (drafters.chains) and every row
+    equals HF greedy of its prompt alone; returns the batch's tau (new tokens / target forwards)."""
+    import specpass
+    from specpass.drafters import ChainDrafting, TargetForward
+
+    prefill = TargetForward(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
+    assert isinstance(drafter.rows([[1, 2]], [prefill], drafter.new_memory()), ChainDrafting)
+    model = peaked_tiny_model()
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for n in heads:
+        head = torch.randint(3, 96, (n,), generator=gen)
+        prompts.append(torch.cat([head, head, head[:tail]]))
+    ids, mask = padded(prompts)
+    out = specpass.generate(model, ids, new_tokens, attention_mask=mask, eos_token_id=[],
+                            options={"lowering": "eager", "drafter": drafter, "budget": 8})  # fmt: skip
+    for b, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+        assert list(out.new_tokens[b]) == alone[0, len(prompt) :].tolist(), b
+    return sum(s.new_tokens for s in out.stats) / sum(s.target_forwards for s in out.stats)
+
+
 NEW_TOKENS = 48  # the length of the `cases` references: where a test's subject is not a long continuation
 FIXED_BUDGET = 8  # trees of 8 nodes: no cost curve to measure (test_tree_budget_follows_the_cost_curve tests it)
 

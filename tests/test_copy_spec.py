@@ -5,10 +5,9 @@ every row at once, alone and with the other chain sources; greedy equals HF gree
 import numpy as np
 import pytest
 import torch
-from conftest import padded, peaked_tiny_model
+from conftest import repeating_rows_tau
 
-import specpass
-from specpass.drafters import ChainDrafting, Combined, CopySpec, PromptLookup, TargetForward, TokenRecycling
+from specpass.drafters import Combined, CopySpec, PromptLookup, TokenRecycling
 from specpass.drafters.copy_spec import CopyChains
 
 
@@ -58,20 +57,6 @@ def test_a_row_with_no_repeat_drafts_nothing_and_the_suffix_never_matches_itself
 @pytest.mark.parametrize("drafter", [CopySpec(), Combined(CopySpec(), PromptLookup(), TokenRecycling())],
                          ids=["alone", "combined"])  # fmt: skip
 def test_copy_spec_drafts_every_row_at_once_and_equals_hf_greedy(drafter):
-    """Rows of different lengths, each with a repeated stretch to copy: every row equals HF greedy alone,
-    drafts were accepted, and the batch drafted at once (drafters.chains), also combined."""
-    model = peaked_tiny_model()
-    prefill = TargetForward(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
-    assert isinstance(drafter.rows([[1, 2]], [prefill], drafter.new_memory()), ChainDrafting)
-    gen = torch.Generator().manual_seed(11)
-    prompts = []
-    for n in (10, 19, 7):
-        head = torch.randint(3, 96, (n,), generator=gen)
-        prompts.append(torch.cat([head, head, head[:4]]))  # the continuation of a repeat is in the prompt
-    ids, mask = padded([p[None] for p in prompts])
-    out = specpass.generate(model, ids, 24, attention_mask=mask, eos_token_id=[],
-                            options={"lowering": "eager", "drafter": drafter, "budget": 8})  # fmt: skip
-    for b, prompt in enumerate(prompts):
-        alone = model.generate(prompt[None], max_new_tokens=24, do_sample=False, eos_token_id=None)
-        assert list(out.new_tokens[b]) == alone[0, len(prompt) :].tolist(), b
-    assert sum(s.new_tokens for s in out.stats) / sum(s.target_forwards for s in out.stats) > 1.3
+    """Rows of different lengths, each with a repeated stretch to copy: drafted at once (also combined),
+    every row equal to HF greedy alone, drafts accepted."""
+    assert repeating_rows_tau(drafter, seed=11, heads=(10, 19, 7), tail=4, new_tokens=24) > 1.3
