@@ -56,6 +56,25 @@ def test_export_round_trip(tiny_exports, arch):
     assert graph_inputs == [i["name"] for i in manifest["inputs"]]
 
 
+def test_the_export_check_refuses_an_onnx_model_that_computes_another_function(tiny_exports):
+    """check_onnx compares ORT with the PyTorch step: the exported file against the step of the same model
+    with its LM head changed by 1e-3 is refused (the bound: 1e-4, or 8 float32 ulps of the largest value)."""
+    from specpass.backends.onnx.export import check_onnx, kv_as_io, rewritten_step
+    from specpass.common.errors import ExportError
+    from specpass.ir import arch_of
+
+    model, result = tiny_exports["llama"]
+    other = tiny_model("llama")
+    other.load_state_dict(model.state_dict())
+    step = kv_as_io(rewritten_step(model, TREE))
+    assert max(check_onnx(result.onnx_path, step, arch_of(step), torch.float32, None).values()) < 1e-4
+    with torch.no_grad():
+        other.lm_head.weight.add_(1e-3)
+    changed = kv_as_io(rewritten_step(other, TREE))
+    with pytest.raises(ExportError, match="ORT and PyTorch disagree"):
+        check_onnx(result.onnx_path, changed, arch_of(changed), torch.float32, None)
+
+
 def _forward(program, tokens, layout):
     """One sequence's forward: tokens [T] laid out by `layout` (a SlotLayout) -> logits [T, V]."""
     return program.forward(tokens[None], SlotLayout.of((layout,)))[0][0]
