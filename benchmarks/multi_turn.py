@@ -1,5 +1,5 @@
 """Conversations whose second answer revises the first (CopySpec's MT-Redundant setting) on the default
-model: CopySpec beside prompt lookup, the suffix drafter and the combined tree, in the same run.
+model: CopySpec and ADED beside prompt lookup, the suffix drafter and the combined tree, in the same run.
 
     python benchmarks/multi_turn.py [--prompts 8] [--max-new-tokens 128] [--out benchmarks/results]
 
@@ -20,7 +20,7 @@ import time
 import torch
 
 import specpass
-from specpass.drafters import Combined, CopySpec, PromptLookup, Suffix, TokenRecycling
+from specpass.drafters import Aded, Combined, CopySpec, PromptLookup, Suffix, TokenRecycling
 from specpass.research import prompts as P
 from specpass.research.bench import run_identity, write_report
 from specpass.rewrites import TreeAttention
@@ -38,6 +38,8 @@ CONFIGS = {
     "suffix": {"drafter": Suffix()},
     "combined": {"drafter": Combined(PromptLookup(), TokenRecycling())},
     "combined_copy_spec": {"drafter": Combined(CopySpec(), PromptLookup(), TokenRecycling())},
+    "aded": {"drafter": Aded()},  # no corpus: each conversation's prompt seeds its table
+    "combined_aded": {"drafter": Combined(Aded(), PromptLookup(), TokenRecycling())},
 }
 
 
