@@ -378,11 +378,12 @@ def pytest_configure(config):
 # pytest-xdist (--dist loadfile) hands whole files to whichever worker is free, in collection order:
 # with these first and the short files last, the workers finish together instead of one running a
 # long file alone at the end.
-LONGEST_FILES = ("test_onnx.py", "test_batch.py", "test_kv_eviction.py", "test_generate.py", "test_hf_hook.py",
-                 "test_heads.py", "test_tensor_parallel.py", "test_sampling.py", "test_readme.py",
-                 "test_program_state.py", "test_multi_candidate.py", "test_gguf_lowering.py", "test_families.py",
-                 "test_early_exit.py", "test_suffix.py", "test_models.py", "test_exit_adapter.py", "test_layer_skip.py",
-                 "test_draft_protocol.py", "test_ladder_residual.py")  # 288 s down to 21 s each (2026-11-28); the others take < 20 s  # fmt: skip
+LONGEST_FILES = ("test_onnx.py", "test_batch.py", "test_generate.py", "test_invariance.py", "test_sampling.py",
+                 "test_kv_eviction.py", "test_tensor_parallel.py", "test_hf_hook.py", "test_gguf_lowering.py",
+                 "test_gguf_compiled.py", "test_multi_candidate.py", "test_heads.py", "test_families.py",
+                 "test_program_state.py", "test_mixture.py", "test_property.py", "test_readme.py", "test_early_exit.py",
+                 "test_exit_adapter.py", "test_suffix.py", "test_models.py", "test_feature_draft.py", "test_layer_skip.py",
+                 "test_lowering.py", "test_lowering_rewrites.py", "test_streaming.py", "test_ladder_residual.py")  # 250 s down to 20 s each (2026-12-06); the others take < 20 s  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,9 +27,8 @@ def _options(drafter=None, pipeline=None, **extra) -> dict:
     return options | extra
 
 
-DRAFTERS = {  # Token Recycling runs inside the combined drafter, Medusa's heads as Hydra's do (the Heads drafter)
-    "prompt_lookup": _options(PromptLookup()),
-    "combined": _options(),
+DRAFTERS = {  # prompt lookup and Token Recycling run inside the combined drafter (one all-rows builder), Medusa's
+    "combined": _options(),  # heads as Hydra's do (the Heads drafter)
     "hydra": with_heads("hydra", Heads()),
     "feature": with_feature(Feature()),
 }

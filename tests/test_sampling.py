@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specpass
-from conftest import FIXED_BUDGET, token_inside_an_accepted_draft, with_feature, with_heads
+from conftest import FIXED_BUDGET, NEW_TOKENS, token_inside_an_accepted_draft, with_feature, with_heads
 from specpass.backends.runtime.sampling import (
     KeyedNoise, Sampling, TargetChoice, choose_rows, node_prefixes, position_noise,
 )  # fmt: skip
@@ -207,7 +207,7 @@ def plain_samples(default_model, cases) -> list[torch.Tensor]:
     own settings (one per SETTINGS entry) and seed."""
     model, _ = default_model
     plain = {"budget": 1, "pipeline": specpass.Pipeline(TreeAttention(1))}
-    return [specpass.generate(model, ids, 64, do_sample=True, options=plain, **_settings(i)).sequences
+    return [specpass.generate(model, ids, NEW_TOKENS, do_sample=True, options=plain, **_settings(i)).sequences
             for i, (ids, _) in enumerate(cases[:3])]  # fmt: skip
 
 
@@ -216,7 +216,7 @@ def test_speculative_sampling_equals_plain_sampling_with_the_same_seed(default_m
     model, _ = default_model
     taus = []
     for i, ((ids, _), reference) in enumerate(zip(cases[:3], plain_samples, strict=True)):
-        out = specpass.generate(model, ids, 64, do_sample=True, options=DRAFTERS[name], **_settings(i))
+        out = specpass.generate(model, ids, NEW_TOKENS, do_sample=True, options=DRAFTERS[name], **_settings(i))
         assert torch.equal(out.sequences, reference)
         taus.append(out.stats.tau)
     assert sum(taus) / len(taus) > 1.1  # drafts are accepted while sampling
