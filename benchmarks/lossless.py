@@ -37,6 +37,7 @@ CODE_OFFSET, CHAT_OFFSET = 140, 10
 TORCH_CONFIGS = {
     "prompt_lookup": ("prompt-lookup", ()),
     "copy_spec": ("copy-spec", ()),
+    "aded": ("aded", ()),
     "token_recycling": ("token-recycling", ()),
     "combined": ("combined", ()),
     "medusa": ("heads", (specpass.rewrites.DraftHeads(design="medusa"),)),
