@@ -197,9 +197,11 @@ def search(table: TrigramTable, a: int, b: int, config: Aded, rng: np.random.Gen
             successors = table.successors_of(*state)
             if not successors:
                 break
-            options = list(successors)
-            weights = np.fromiter(successors.values(), dtype=np.float64, count=len(options))
-            c = options[int(rng.choice(len(options), p=weights / weights.sum()))]
+            left = rng.random() * sum(successors.values())  # one uniform, walked through the weights
+            for c, weight in successors.items():
+                left -= weight
+                if left <= 0.0:
+                    break
             reward += successors[c]
             state, steps = (state[1], c), steps + 1
         for n in path:  # back up
