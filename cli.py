@@ -426,11 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--rows", nargs="+", help="the rows to run (default: all; hf_greedy and hf_prompt_lookup always run)")
     bench.add_argument("--tag", default="", help="a prefix of the report's file name")
     bench.set_defaults(run=cmd_bench)
-    kv = sub.add_parser("eval-kv", help="quality and memory of each KV-eviction policy and budget (long inputs)")
+    kv = sub.add_parser("eval-kv", help="quality and memory of each KV-eviction policy, sparse attention and budget (long inputs)")
     kv.add_argument("--lengths", type=_positive_int, nargs="*",
                     help="input lengths in tokens for perplexity and agreement (default 2048 4096 8192; none: skip)")
     kv.add_argument("--budgets", type=float, nargs="+", help="cache budgets, fractions of the length (0.1 0.25 0.5)")
-    kv.add_argument("--policies", nargs="+", help="(default: window sinks-window h2o a2sf tova snapkv keyformer)")
+    kv.add_argument("--policies", nargs="+", help="(default: window sinks-window h2o a2sf tova snapkv keyformer "
+                                                  "tidal-decode token-select)")
     kv.add_argument("--passkey-lengths", type=_positive_int, nargs="*", help="(default: --lengths)")
     kv.add_argument("--passkey-budgets", type=float, nargs="*", help="(default: --budgets)")
     kv.add_argument("--passkey-seeds", type=_positive_int, default=20)

@@ -183,6 +183,13 @@ def past_and_tree_visibility(past_mask: torch.Tensor, tree_mask: torch.Tensor) -
     return torch.cat((past_mask, tree_mask), dim=-1).unsqueeze(1)
 
 
+def past_and_tree_slots(past_mask: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+    """Each step token's own slot in the functional encoding: [B, T, S], [B, T, T] -> [B, T] int64, S + t."""
+    tokens = tree_mask.shape[-1]
+    own = torch.arange(tokens, device=tree_mask.device) + past_mask.shape[-1]  # [T]
+    return own[None, :].expand(tree_mask.shape[0], tokens)
+
+
 def _check_order(ancestors: torch.Tensor) -> None:
     """Ancestors precede their descendants (each mask lower-triangular): a node's visible slots, in slot
     order, are then the committed prefix and its ancestors by depth, the order in which attention sums

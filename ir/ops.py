@@ -4,6 +4,7 @@ Rewrites and the verifier find them by target (`ir.query`): a sliding-window lay
 `sliding_window_visibility(base mask, positions, window)` over the step's one shared mask, and a
 soft-capped attention is `softcapped_attention(...)` and an attention with sinks `sink_attention(...)`
 where other layers call SDPA; a layer's K and V go into the cache through `write_cache(cache, slots, new)`.
+A sparse-attention rewrite (rewrites.sparse_attention) adds `select_slots(...)` and `selected_attention(...)`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,45 @@ def write_cache(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> 
     (attention reads their first kv_len slots)."""
     index = slots[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[3])  # [B, KV, T, D]
     return cache[: new.shape[0]].scatter_(2, index, new)
+
+
+def select_slots(q, k, attn_mask, scale: float, count: int, own_slots, vote: bool):
+    """The `count` cache slots each query attends to in a sparse layer: its own slot (where the step
+    wrote its key), then the visible slots of highest score; ascending, -1 first where fewer are visible.
+
+    vote False (TidalDecode): each query head by its logits q k^T scale. vote True (TokenSelect): the
+    heads of a token share one choice, by the sum over heads of each head's softmax over its visible
+    slots. q [B, H, T, D], k [B, KV, S' >= S, D], attn_mask [B, 1, T, S] bool, own_slots [B, T] int64.
+    Returns [B, H, T, count] int64. (The CPU kernel set runs backends.kernels.sparse_attention.)"""
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], attn_mask.shape[-1]
+    logits = torch.matmul(q.reshape(b, kv, (h // kv) * t, d), k[:, :, :s].transpose(-1, -2))  # [B, KV, G*T, S]
+    scores = logits.view(b, h, t, s).float() * scale  # [B, H, T, S]
+    if vote:
+        weights = scores.masked_fill(~attn_mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+        scores = weights.sum(1, keepdim=True)  # [B, 1, T, S]
+    own = own_slots[:, None, :, None].expand(b, scores.shape[1], t, 1)  # [B, H or 1, T, 1]
+    scores = scores.scatter(-1, own, float("inf")).masked_fill(~attn_mask, float("-inf"))
+    scores = torch.nn.functional.pad(scores, (0, count), value=float("-inf"))  # topk(count) for any S
+    top = scores.topk(count, dim=-1)  # [B, H or 1, T, count]
+    slots = top.indices.masked_fill(top.values == float("-inf"), -1).sort(-1).values
+    return slots.expand(b, h, t, count).contiguous()
+
+
+def selected_attention(q, k, v, attn_mask, scale: float, selected):
+    """Attention over each query's selected slots only (`select_slots`): selected [B, H, T, C] int64
+    (-1: none), q [B, H, T, D], k / v [B, KV, S' >= S, D], attn_mask [B, 1, T, S] bool; a slot also has
+    to be visible. A query that sees none gets zeros. Returns [B, H, T, D] in q's dtype."""
+    b, h, t, d = q.shape
+    kv, c = k.shape[1], selected.shape[-1]
+    taken = selected.clamp(min=0)  # [B, H, T, C]
+    index = taken.reshape(b, kv, -1, 1).expand(-1, -1, -1, d)  # [B, KV, G*T*C, D]: head h reads KV head h // G
+    keys = k.gather(2, index).view(b, h, t, c, d).float()
+    values = v.gather(2, index).view(b, h, t, c, d).float()
+    visible = (selected >= 0) & attn_mask.expand(b, h, t, -1).gather(-1, taken)  # [B, H, T, C]
+    scores = (keys @ q.float()[..., None]).squeeze(-1) * scale  # [B, H, T, C]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return (weights[..., None, :] @ values).squeeze(-2).to(q.dtype)  # [B, H, T, D]
 
 
 GRAPH_FUNCTIONS = (sliding_window_visibility, softcapped_attention, sink_attention, write_cache)

@@ -13,15 +13,15 @@ import operator
 import torch
 import torch.fx
 
-from .ops import sink_attention, sliding_window_visibility, softcapped_attention, write_cache
+from .ops import selected_attention, sink_attention, sliding_window_visibility, softcapped_attention, write_cache
 from .roles import Role, info, nodes_with_role
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
-ATTENTION_FUNCTIONS = (SDPA, softcapped_attention, sink_attention)
+ATTENTION_FUNCTIONS = (SDPA, softcapped_attention, sink_attention, selected_attention)
 
 
 def attention_ops(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The attention calls (SDPA, or soft-capped attention), in graph order (one per layer in a valid step)."""
+    """The attention calls (SDPA, soft-capped, with sinks, or over selected slots), in graph order (one per layer in a valid step)."""
     return [
         n for n in nodes_with_role(graph, Role.ATTENTION) if n.op == "call_function" and n.target in ATTENTION_FUNCTIONS
     ]

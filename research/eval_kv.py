@@ -1,4 +1,6 @@
-"""`specpass eval-kv`: what each KV-eviction policy costs in quality and saves in memory (issue 25).
+"""`specpass eval-kv`: what each KV-eviction policy costs in quality and saves in memory (issue 25), and
+each sparse attention (TidalDecode, TokenSelect) in quality, its budget being the slots a sparse layer
+attends to (its cache keeps every token).
 
 For each input length and each policy x budget (a fraction of the length), on the embedded model:
 
@@ -34,7 +36,7 @@ from ..backends.runtime.program import SpeculativeProgram
 from ..drafters.registry import drafter_by_name
 from .long_context import library_sequences, passkey_prompt
 from ..passes import Pipeline
-from ..rewrites import A2SF, H2O, TOVA, Keyformer, SinksWindow, SnapKV, TreeAttention
+from ..rewrites import A2SF, H2O, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV, TidalDecode, TokenSelect, TreeAttention
 
 POLICIES = {
     "window": lambda budget, chunk: SinksWindow(budget, chunk, sinks=0),  # no sinks: StreamingLLM's collapse
@@ -44,6 +46,8 @@ POLICIES = {
     "tova": TOVA,
     "snapkv": SnapKV,
     "keyformer": Keyformer,
+    "tidal-decode": lambda budget, chunk: TidalDecode(budget),  # budget: slots a sparse layer attends to
+    "token-select": lambda budget, chunk: TokenSelect(budget),
 }
 FULL = "full"
 
@@ -68,6 +72,11 @@ class Protocol:
     onnx_budget: float = 0.25
     onnx_policies: tuple[str, ...] = ("tova",)  # (): no ONNX phase
     speculation_prompts: int = 20  # 0: no speculation phase
+
+
+def _evicts(policy_name: str) -> bool:
+    """Whether the policy cuts the cache (a KV eviction) rather than what attention reads."""
+    return isinstance(POLICIES[policy_name](64, 8), KVEviction)
 
 
 def _pipeline(policy_name: str, budget: int, chunk: int) -> Pipeline:
@@ -185,7 +194,7 @@ def _onnx(model, tokenizer, protocol: Protocol, rows: list[dict], out: list[dict
             started = time.perf_counter()
             export(model, _pipeline(name, budget, chunk), os.path.join(directory, "export"), progress=False)
             export_seconds = time.perf_counter() - started
-            cache = length + protocol.new_tokens + chunk if name == FULL else None  # an evicting export's is its budget
+            cache = None if name != FULL and _evicts(name) else length + protocol.new_tokens + chunk  # an evicting export's is its budget
             program = OrtProgram(os.path.join(directory, "export"), cache_size=cache, budget=1)
             started = time.perf_counter()
             ppl, tokens = perplexity_and_continuation(program, ids, chunk, protocol.new_tokens)
@@ -212,8 +221,9 @@ def _speculation(model, tokenizer, protocol: Protocol, log) -> list[dict]:
     del full
     for name in protocol.speculation_policies:
         budget = int(protocol.speculation_budget * length)
-        spec = _program(model, name, budget, protocol.chunk, budget, speculative=True)
-        plain = _program(model, name, budget, protocol.chunk, budget)
+        cache = budget if _evicts(name) else length + new + protocol.chunk
+        spec = _program(model, name, budget, protocol.chunk, cache, speculative=True)
+        plain = _program(model, name, budget, protocol.chunk, cache)
         equal, stats, plain_stats = 0, [], []
         for p in prompts:
             fast = decode(spec, p[None], new, eos_token_ids=())

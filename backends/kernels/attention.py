@@ -260,20 +260,26 @@ def ordered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q, keys, values = q.float(), keys[:, :, :slots].float(), values[:, :, :slots].float()
     q, keys, values, mask = (x.detach().contiguous() for x in (q, keys, values, mask))
     out = torch.empty(q.shape, dtype=torch.float32)
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if q.numel() * slots < SERIAL_WORK:  # a thread hand-off costs more than the work (no bit changes)
-        threads = 1
-    if threads > 1:
-        _start_numba_threads()
-        if numba.get_num_threads() != threads:
-            numba.set_num_threads(threads)  # the calling thread's setting
-        attend = _attend_parallel
-    else:
-        attend = _attend_serial
+    threads = numba_threads(q.numel() * slots)
+    attend = _attend_parallel if threads > 1 else _attend_serial
     sinks = _NO_SINKS if sinks is None else sinks.detach().float().contiguous().numpy()  # [H]
     attend(q.numpy(), keys.numpy(), values.numpy(), mask.numpy(), np.float32(scale), np.float32(softcap or 0.0),
            sinks, threads, out.numpy())  # fmt: skip
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def numba_threads(work: int) -> int:
+    """How many threads a kernel call of `work` element operations runs on (1: the calling thread's
+    serial build, since a thread hand-off would cost more; no bit depends on it); numba's pool is
+    started and set to that count where it is more than one."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if work < SERIAL_WORK:
+        return 1
+    if threads > 1:
+        _start_numba_threads()
+        if numba.get_num_threads() != threads:
+            numba.set_num_threads(threads)  # the calling thread's setting
+    return threads
 
 
 _NO_SINKS = np.zeros(0, np.float32)

@@ -5,13 +5,15 @@ is one function, and no choice between kernels that give other bits is ever made
 lossless contract, docs/design.md). Today's set is the CPU's: attention in logical key order
 (backends.kernels.attention, numba, every dtype), a linear in calls of measured sizes only, on
 ATen's mm for small weights and oneDNN's for the others (backends.kernels.linear, float32 and
-bfloat16), and transcendental pointwise ops on ATen's vector loop only (backends.kernels.pointwise).
+bfloat16), and transcendental pointwise ops on ATen's vector loop only (backends.kernels.pointwise); a sparse
+attention's selection and attention in the same arithmetic (backends.kernels.sparse_attention).
 Other devices have none yet: their steps keep the captured ops, and the build-time check
 (backends.runtime.invariance) says what that costs. A CUDA
 set joins by adding its entry to `kernel_set` and, where it differs, its own replacement functions.
 
 Compiled lowerings (inductor, AOTInductor) see the kernels as custom ops (`specpass::ordered_attention`,
-`specpass::rows_linear`, `specpass::rows_pointwise`, `specpass::rows_softmax`), opaque to the compiler,
+`specpass::rows_linear`, `specpass::rows_pointwise`, `specpass::rows_softmax`, `specpass::select_slots`,
+`specpass::selected_attention`), opaque to the compiler,
 so generated code cannot reorder their reductions.
 """
 
@@ -25,8 +27,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from . import attention, linear, pointwise
-from ...ir import copy_step, query, replace_node
+from . import attention, linear, pointwise, sparse_attention as sparse
+from ...ir import copy_step, ops, query, replace_node
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,22 @@ def use_kernels(gm: torch.fx.GraphModule, packed: dict[int, torch.Tensor] | None
     attend, rows_linear, rows_pointwise, rows_softmax = (
         compiled_ops() if compiled else (attention.ordered_attention, linear.rows_linear, pointwise.rows_pointwise, None)
     )
+    select, attend_selected = compiled_sparse_ops() if compiled else (sparse.select_slots, sparse.selected_attention)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is ops.select_slots:
+            q, keys, mask, scale, count, own, vote = node.args
+            with graph.inserting_before(node):
+                new = graph.call_function(select, (q, _cache_rows(keys), mask, float(scale), count, own, vote))
+            replace_node(node, new, (new,))
     for node in query.attention_ops(graph):
         q, keys, values = node.args[:3]
         mask = node.kwargs["attn_mask"]
+        if node.target is ops.selected_attention:
+            with graph.inserting_before(node):
+                new = graph.call_function(attend_selected, (q, _cache_rows(keys), _cache_rows(values), mask,
+                                                            float(node.kwargs["scale"]), node.kwargs["selected"]))  # fmt: skip
+            replace_node(node, new, (new,))
+            continue
         softcap = node.kwargs.get("softcap")
         with graph.inserting_before(node):
             new = graph.call_function(attend, (q, _cache_rows(keys), _cache_rows(values), mask,
@@ -204,5 +219,32 @@ def compiled_ops() -> tuple:
     def _(x):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    ops = torch.ops.specpass
-    return ops.ordered_attention.default, ops.rows_linear.default, ops.rows_pointwise.default, ops.rows_softmax.default
+    registered = torch.ops.specpass
+    return registered.ordered_attention.default, registered.rows_linear.default, registered.rows_pointwise.default, registered.rows_softmax.default
+
+
+@functools.cache
+def compiled_sparse_ops() -> tuple:
+    """(select_slots, selected_attention) of backends.kernels.sparse_attention as custom ops
+    `specpass::select_slots` and `specpass::selected_attention`, registered at the first call."""
+
+    @torch.library.custom_op("specpass::select_slots", mutates_args=())
+    def select_slots(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, count: int,
+                     own: torch.Tensor, vote: bool) -> torch.Tensor:  # fmt: skip
+        return sparse.select_slots(q, keys, mask, scale, count, own, vote)
+
+    @select_slots.register_fake
+    def _(q, keys, mask, scale, count, own, vote):
+        return q.new_empty((*q.shape[:3], count), dtype=torch.int64)
+
+    @torch.library.custom_op("specpass::selected_attention", mutates_args=())
+    def selected_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                           scale: float, selected: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return sparse.selected_attention(q, keys, values, mask, scale, selected)
+
+    @selected_attention.register_fake
+    def _(q, keys, values, mask, scale, selected):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    registered = torch.ops.specpass
+    return registered.select_slots.default, registered.selected_attention.default

@@ -4,7 +4,7 @@
 The captured step writes its static cache in place, which an ONNX graph cannot express without aliasing.
 `kv_as_io` rewrites a copy: in every layer the cache write and the read of slots [0, kv_len) become
 `cat(past[layer], new, dim=2)`, the mask becomes `ir.layout.past_and_tree_visibility(past_mask,
-tree_mask)`, and in a KV-eviction step each layer's `record_queries` becomes the `queries` output (the
+tree_mask)` (a sparse-attention step's own slots `past_and_tree_slots`), and in a KV-eviction step each layer's `record_queries` becomes the `queries` output (the
 policy's graphs are exported beside the step by its export hook, rewrites.kv_eviction.export). Inputs
 INPUTS: input_ids, positions [B, T]; past_keys, past_values [L, B, KV, S, D]; past_mask [B, T, S]; tree_mask
 [B, T, T]. Outputs: logits, hidden, new_keys, new_values [L, B, KV, T, D], then queries [L, B, H, T, D] and
@@ -19,7 +19,8 @@ import torch.fx
 
 from ...common.errors import PassMismatchError
 from ...ir import copy_step, info, query
-from ...ir.layout import past_and_tree_visibility
+from ...ir.layout import past_and_tree_slots, past_and_tree_visibility
+from ...ir.ops import select_slots
 from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
 from ...ir.roles import Role, annotate, placeholder
 from ...rewrites.kv_eviction import ops as eviction_ops
@@ -77,6 +78,12 @@ def kv_as_io(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         attention_mask = graph.call_function(past_and_tree_visibility, masks)
     annotate(attention_mask, Role.MASK)
     mask.replace_all_uses_with(attention_mask)
+    selections = [n for n in graph.nodes if n.op == "call_function" and n.target is select_slots]
+    if selections:  # a sparse-attention step: each token's own slot, in the functional layout
+        with graph.inserting_before(selections[0]):
+            own = annotate(graph.call_function(past_and_tree_slots, masks), Role.CACHE_INDEX)
+        for node in selections:
+            node.args = (*node.args[:5], own, *node.args[6:])
 
     new_kv: dict[str, list[torch.fx.Node]] = {"past_keys": [], "past_values": []}
     for write, read in reads:

@@ -23,7 +23,7 @@ import torch.fx
 from ...common.errors import GraphVerificationError, InvalidParameterError
 from ...ir import arch_of, model_parts, query
 from ...ir.draft import resume_graph
-from ...ir.ops import sink_attention
+from ...ir.ops import selected_attention, sink_attention
 from ...ir.roles import Role, annotate
 from ...passes.base import CAPTURED, Pass, PassResult
 from . import ops
@@ -94,7 +94,7 @@ class KVEviction(Pass):
     def check(self, gm: torch.fx.GraphModule) -> str | None:
         if EVICTION_META in gm.meta:
             return f"the step already evicts ({type(gm.meta[EVICTION_META]).__name__})"
-        other = {op.target for op in query.attention_ops(gm.graph)} - {query.SDPA}
+        other = {op.target for op in query.attention_ops(gm.graph)} - {query.SDPA, selected_attention}
         if other:
             return ("the model's attention has sinks: the eviction scores would need the sink's share"
                     if sink_attention in other else
