@@ -1,5 +1,5 @@
 """The `specpass` command: `generate` (speculative vs plain greedy on one prompt), `export`, `train-heads`, `bench`,
-`eval-kv`."""
+`eval-kv`, `train-retention`."""
 
 from __future__ import annotations
 
@@ -304,6 +304,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_retention(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .heads.retention import save_gates
+    from .models import load_model
+    from .research.retention_training import RetentionTraining, train_retention, training_sequences
+
+    given = {"capacity": args.capacity, "sequence": args.sequence, "steps": args.steps, "seed": args.seed}
+    config = RetentionTraining(**{k: v for k, v in given.items() if v is not None})
+    model, tokenizer, _ = load_model(args.model, device="cpu")
+    gates, report = train_retention(model, training_sequences(tokenizer, config), config)
+    save_gates(gates, args.out)
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump({k: v for k, v in report.items() if k != "history"} | {"steps": len(report["history"])}, f, indent=2)
+    print(f"wrote retention gates to {args.out} (first step {report['first']}, last {report['last']})")
+    return 0
+
+
 def cmd_eval_kv(args: argparse.Namespace) -> int:
     import torch
 
@@ -318,7 +337,7 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
         ("passkey_budgets", args.passkey_budgets if args.passkey_budgets is not None else args.budgets),
         ("speculation_policies", args.speculation_policies), ("onnx_policies", args.onnx_policies)) if value is not None}  # fmt: skip
     named = set(chosen.get("policies", ())) | set(chosen.get("speculation_policies", ())) | set(chosen.get("onnx_policies", ()))
-    unknown = sorted(named - set(eval_kv.POLICIES))
+    unknown = sorted(named - set(eval_kv.POLICIES) - {"trim-kv"})
     if unknown:
         raise InvalidParameterError(f"unknown policies {unknown}; choose from {', '.join(eval_kv.POLICIES)}")
     if any(not 0.0 < b < 1.0 for b in [*chosen.get("budgets", ()), *chosen.get("passkey_budgets", ()), args.onnx_budget]):
@@ -329,6 +348,10 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
     protocol = dataclasses.replace(protocol, **chosen, passkey_seeds=args.passkey_seeds, passkey_depths=args.passkey_depths,
                                    speculation_prompts=args.speculation_prompts, onnx_length=args.onnx_length,
                                    onnx_budget=args.onnx_budget)  # fmt: skip
+    if args.gates is not None:
+        eval_kv.POLICIES["trim-kv"] = eval_kv.trim_kv(args.gates)
+    elif "trim-kv" in named:
+        raise InvalidParameterError("the trim-kv policy needs --gates DIR (specpass train-retention --out DIR)")
     model, tokenizer = load_default_model()
     identity = bench.run_identity(torch.device("cpu"))
     save = lambda partial: bench.write_report(identity | partial, args.out, prefix="kv-eviction-")  # noqa: E731
@@ -416,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--corpus", help="file caching the generated training corpus (read if present, else written)")
     heads.add_argument("--device", default="cpu", help="where the model generates and the heads train: cpu or cuda")
     heads.set_defaults(run=cmd_train_heads)
+    retention = sub.add_parser("train-retention", help="train TRIM-KV retention gates for a model (the trim-kv policy)")
+    retention.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
+    retention.add_argument("--out", required=True, help="output directory (retention.safetensors + .json)")
+    retention.add_argument("--capacity", type=_positive_int, help="memory M per layer and KV head (default 128)")
+    retention.add_argument("--sequence", type=_positive_int, help="tokens per training sequence (default 512)")
+    retention.add_argument("--steps", type=_positive_int, help="one sequence a step (default 150)")
+    retention.add_argument("--seed", type=int, help="(default 0)")
+    retention.set_defaults(run=cmd_train_retention)
     bench = sub.add_parser("bench", help="tokens/s and tau against HF baselines, measured in one run")
     bench.add_argument("--prompts", type=_positive_int, default=10, help="prompts per set (code, chat)")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -444,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="policies exported to ONNX and run on ORT beside the full cache (default: tova; none: skip)")
     kv.add_argument("--onnx-length", type=_positive_int, default=8192)
     kv.add_argument("--onnx-budget", type=float, default=0.25)
+    kv.add_argument("--gates", metavar="DIR", help="retention gates for the trim-kv policy (specpass train-retention)")
     kv.add_argument("--out", default="benchmarks/results")
     kv.set_defaults(run=cmd_eval_kv)
     args = parser.parse_args(argv)

@@ -105,13 +105,9 @@ ADAPTER_HINT = "train one with `specpass train-heads --kind exit-adapter --layer
 
 
 def read_exit_adapter_config(directory: str) -> ExitAdapterConfig:
-    from .io import ADAPTER_CONFIG, read_json
+    from .io import ADAPTER_CONFIG, read_config_file
 
-    data = read_json(directory, ADAPTER_CONFIG, "exit adapter", ADAPTER_HINT)
-    try:
-        return ExitAdapterConfig(**data)
-    except TypeError as exc:
-        raise InvalidParameterError(f"{directory}: not an exit adapter's config ({exc})") from None
+    return read_config_file(directory, ADAPTER_CONFIG, lambda data: ExitAdapterConfig(**data), "exit adapter", ADAPTER_HINT)
 
 
 def load_exit_adapter(directory: str, lm_head: nn.Module) -> ExitAdapter:

@@ -76,6 +76,16 @@ def read_json(directory: str, config_name: str, what: str, hint: str) -> dict:
     return data
 
 
+def read_config_file(directory: str, config_name: str, build, what: str, hint: str):
+    """`build`(the JSON object in `config_name`): a typed config; a missing, damaged or foreign file is one
+    clear error naming `what` and `hint`."""
+    data = read_json(directory, config_name, what, hint)
+    try:
+        return build(data)
+    except (KeyError, TypeError, ValueError, SpecpassError) as exc:
+        raise DamagedFileError(f"{os.path.join(directory, config_name)} is not a {what} config ({exc}); {hint}") from None
+
+
 def load_weights(module: nn.Module, directory: str, weights: str, hint: str) -> None:
     """`module`'s state from the safetensors file `weights` in `directory`; a damaged or mismatched file
     is one line naming it and `hint` (how to make it again)."""
@@ -131,11 +141,7 @@ HEADS_HINT = "train them again with `specpass train-heads --kind medusa|hydra --
 
 
 def read_config(directory: str) -> HeadsConfig:
-    data = read_json(directory, CONFIG, "draft heads", HEADS_HINT)
-    try:
-        return HeadsConfig.from_dict(data)
-    except (TypeError, ValueError) as exc:
-        raise DamagedFileError(f"{os.path.join(directory, CONFIG)} is not a heads config ({exc}); {HEADS_HINT}") from None
+    return read_config_file(directory, CONFIG, HeadsConfig.from_dict, "draft heads", HEADS_HINT)
 
 
 def load_heads(directory: str, lm_head: nn.Module) -> tuple[nn.Module, HeadsConfig]:
@@ -156,14 +162,12 @@ def save_feature_draft(draft: nn.Module, config, directory: str, dtype: torch.dt
 def read_feature_config(directory: str):
     from .feature_draft import FeatureDraftConfig
 
-    data = read_json(directory, FEATURE_CONFIG, "feature draft", FEATURE_HINT)
-    try:
+    def build(data: dict):
         data["accuracy"] = tuple(tuple(row) for row in data.get("accuracy", ()))
         data["feature_layers"] = tuple(data["feature_layers"])
         return FeatureDraftConfig(**data)
-    except (KeyError, TypeError, ValueError, SpecpassError) as exc:
-        raise DamagedFileError(f"{os.path.join(directory, FEATURE_CONFIG)} is not a feature draft config ({exc}); "
-                               f"{FEATURE_HINT}") from None  # fmt: skip
+
+    return read_config_file(directory, FEATURE_CONFIG, build, "feature draft", FEATURE_HINT)
 
 
 def load_feature_draft(directory: str, lm_head: nn.Module) -> nn.Module:

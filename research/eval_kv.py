@@ -36,7 +36,7 @@ from ..backends.runtime.program import SpeculativeProgram
 from ..drafters.registry import drafter_by_name
 from .long_context import library_sequences, passkey_prompt
 from ..passes import Pipeline
-from ..rewrites import A2SF, H2O, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV, TidalDecode, TokenSelect, TreeAttention
+from ..rewrites import A2SF, H2O, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV, TidalDecode, TokenSelect, TreeAttention, TrimKV
 
 POLICIES = {
     "window": lambda budget, chunk: SinksWindow(budget, chunk, sinks=0),  # no sinks: StreamingLLM's collapse
@@ -72,6 +72,11 @@ class Protocol:
     onnx_budget: float = 0.25
     onnx_policies: tuple[str, ...] = ("tova",)  # (): no ONNX phase
     speculation_prompts: int = 20  # 0: no speculation phase
+
+
+def trim_kv(gates_directory: str):
+    """The trim-kv entry of POLICIES for gates trained by `specpass train-retention`."""
+    return lambda budget, chunk: TrimKV(budget, chunk, gates_directory=gates_directory)
 
 
 def _evicts(policy_name: str) -> bool:

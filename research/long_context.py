@@ -1,7 +1,7 @@
 """Long inputs the machine already has, for the KV-eviction quality harness (specpass.research.eval_kv).
 
 * Library text: Python standard-library sources, concatenated in a fixed order (the files below, from
-  this interpreter's stdlib), cut into token sequences. Evaluation and tuning use different files.
+  this interpreter's stdlib), cut into token sequences. Evaluation, tuning and training use different files.
 * Passkey retrieval in the standard format (Mohtashami & Jaggi; used by StreamingLLM and LongLoRA):
   filler sentences, "The pass key is N. Remember it. N is the pass key." at a chosen depth, and the
   question at the end; the answer is N (exact match).
@@ -18,6 +18,8 @@ import torch
 EVAL_SOURCES = ("argparse.py", "inspect.py", "typing.py", "tarfile.py", "pathlib.py", "subprocess.py",
                 "dataclasses.py", "functools.py", "enum.py", "zipfile.py")  # fmt: skip
 TUNING_SOURCES = ("textwrap.py", "shutil.py", "tempfile.py", "statistics.py")  # kept apart from the above
+TRAINING_SOURCES = ("difflib.py", "configparser.py", "threading.py", "ast.py", "pickle.py", "calendar.py",
+                    "smtplib.py", "imaplib.py", "ftplib.py", "locale.py")  # trainers' text (retention gates): apart from both
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 

@@ -15,7 +15,9 @@ chunk, kept, the protected slots, decay, temperature, window, kernel), and Keyfo
   mean over the KV head's query heads: H2O sums them; A2SF decays the old sum by `decay` per token;
   TOVA keeps the latest token's and ranks by the mean over the layer's KV heads; Keyformer sums a
   softmax of the logits plus Gumbel noise at `temperature`; SnapKV ranks, at each eviction, by the
-  last `window` tokens' attention summed and averaged over `kernel` neighbouring slots.
+  last `window` tokens' attention summed and averaged over `kernel` neighbouring slots. TrimKV scores
+  a token once, when it is created: its gates' log retention (from the layer's normed input), and ranks
+  by log retention times (next position - its position).
 - Positions stay the original ones (rotary at each token's own position).
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specpass.rewrites import A2SF, H2O, TOVA, Keyformer, SinksWindow, SnapKV
+from specpass.rewrites import A2SF, H2O, TOVA, Keyformer, SinksWindow, SnapKV, TrimKV
 from specpass.rewrites.kv_eviction.scores import gumbel_noise
 
 
@@ -39,6 +41,7 @@ class _Cache:
         self.held: list[list[int]] = [[] for _ in range(kv_heads)]
         self.scores: list[dict[int, torch.Tensor]] = [{} for _ in range(kv_heads)]
         self.scale = 1.0  # the attention's softmax scale (set by the forward)
+        self.retention: dict[int, torch.Tensor] = {}  # TrimKV: position -> log retention [KV]
 
 
 @torch.no_grad()
@@ -47,9 +50,10 @@ def evicting_greedy(model, prompt: list[int], policy, new_tokens: int) -> list[i
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     caches = [_Cache(kv_heads) for _ in model.model.layers]
+    gates = policy.gates() if isinstance(policy, TrimKV) else None
     tokens, position, out = list(prompt), 0, []
     while len(out) < new_tokens:
-        logits = _forward(model, caches, tokens[position], position, policy, heads // kv_heads)
+        logits = _forward(model, caches, tokens[position], position, policy, heads // kv_heads, gates)
         for layer, cache in enumerate(caches):
             if len(cache.held[0]) == policy.budget:
                 _evict(policy, cache, layer, heads // kv_heads)
@@ -60,7 +64,7 @@ def evicting_greedy(model, prompt: list[int], policy, new_tokens: int) -> list[i
     return out
 
 
-def _forward(model, caches: list[_Cache], token: int, position: int, policy, group: int) -> torch.Tensor:
+def _forward(model, caches: list[_Cache], token: int, position: int, policy, group: int, gates) -> torch.Tensor:
     """One token through the model; each layer's cache takes its K/V/query and, per KV head, holds it and
     scores it. Returns the logits [V]."""
     x = model.model.embed_tokens(torch.tensor([[token]]))  # [1, 1, hidden]
@@ -68,6 +72,8 @@ def _forward(model, caches: list[_Cache], token: int, position: int, policy, gro
     for layer, (block, cache) in enumerate(zip(model.model.layers, caches)):
         attention = block.self_attn
         h = block.input_layernorm(x)
+        if gates is not None:
+            cache.retention[position] = gates(layer, h)[0, 0]  # [KV]
         d, cache.scale = attention.head_dim, attention.scaling
         q = attention.q_proj(h).view(1, 1, -1, d).transpose(1, 2)  # [1, H, 1, D]
         k = attention.k_proj(h).view(1, 1, -1, d).transpose(1, 2)  # [1, KV, 1, D]
@@ -93,7 +99,7 @@ def _forward(model, caches: list[_Cache], token: int, position: int, policy, gro
 
 def _score(policy, cache: _Cache, layer: int, kv_head: int, logits: torch.Tensor, heads: range, position: int) -> None:
     """Fold the token's attention over its KV head's slots (logits [G, S], scaled) into their scores."""
-    if isinstance(policy, (SinksWindow, SnapKV)):
+    if isinstance(policy, (SinksWindow, SnapKV, TrimKV)):
         return
     held, scores = cache.held[kv_head], cache.scores[kv_head]
     if isinstance(policy, Keyformer):
@@ -140,5 +146,8 @@ def _priority(policy, cache: _Cache, kv_head: int, group: int) -> torch.Tensor:
                 attention[:seen] += (keys[:seen] @ cache.queries[p][j] * cache.scale).softmax(-1) / group
         half = policy.kernel // 2
         return torch.stack([attention[max(0, s - half) : s + half + 1].mean() for s in range(len(held))])
+    if isinstance(policy, TrimKV):
+        now = max(held) + 1
+        return torch.stack([cache.retention[p][kv_head] * (now - p) for p in held])
     assert isinstance(policy, (H2O, A2SF, Keyformer))
     return torch.stack([cache.scores[kv_head][p] for p in held])

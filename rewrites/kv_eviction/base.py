@@ -24,7 +24,7 @@ from ...common.errors import GraphVerificationError, InvalidParameterError
 from ...ir import arch_of, model_parts, query
 from ...ir.draft import resume_graph
 from ...ir.ops import selected_attention, sink_attention
-from ...ir.roles import Role, annotate
+from ...ir.roles import Role, annotate, info
 from ...passes.base import CAPTURED, Pass, PassResult
 from . import ops
 from ..tree_attention import TREE_ATTENTION
@@ -43,6 +43,25 @@ def check_int(owner: str, name: str, value: object, low: int = 1) -> None:
         raise InvalidParameterError(f"{owner}.{name} must be an int >= {low}, got {value!r}")
 
 
+GATES_MODULE = "retention_gates"
+
+
+def _record_retention(gm: torch.fx.GraphModule, gates: torch.nn.Module) -> None:
+    """Each layer's query projection reads its input through `ops.record_retention`, which stores the
+    gates' log retention of the step's tokens (the gates become the step's submodule)."""
+    gm.add_submodule(GATES_MODULE, gates)
+    graph = gm.graph
+    store = None
+    projections = [n for n in graph.nodes if n.op == "call_module" and info(n).role in (Role.Q, Role.QKV)]
+    for node in projections:
+        layer, x = info(node).layer, node.args[0]
+        with graph.inserting_before(node):
+            store = store or annotate(graph.get_attr(ops.RETENTION), Role.EVICTION)
+            retention = annotate(graph.call_module(GATES_MODULE, (layer, x)), Role.EVICTION, layer)
+            recorded = annotate(graph.call_function(ops.record_retention, (store, layer, x, retention)), Role.EVICTION, layer)
+        node.args = (recorded, *node.args[1:])
+
+
 @dataclass(frozen=True)
 class KVEviction(Pass):
     """Base of the eviction policies (module docstring). budget: cache slots per layer and KV head;
@@ -58,6 +77,7 @@ class KVEviction(Pass):
     scored: ClassVar[bool] = True  # keeps per-slot scores updated by every accepted token
     window_queries: ClassVar[bool] = False  # keeps the queries of the last `window` tokens (SnapKV)
     gumbel: ClassVar[bool] = False  # Gumbel noise on the scoring logits (Keyformer)
+    gated: ClassVar[bool] = False  # tokens scored by learned gates at creation, ranked with their age (TrimKV)
 
     def __post_init__(self):
         check_int(self.name, "budget", self.budget, low=2)
@@ -87,9 +107,14 @@ class KVEviction(Pass):
         """New scores [B, KV, S] from the old and the accepted tokens' attention [B, KV, n, S]."""
         raise NotImplementedError
 
-    def priority(self, scores: torch.Tensor) -> torch.Tensor:
-        """What is kept first, from the scores [L, B, KV, S]; ranks per KV head unless overridden."""
+    def priority(self, scores: torch.Tensor, slot_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """What is kept first, from the scores [L, B, KV, S] (and a gated policy's slot positions);
+        ranks per KV head unless overridden."""
         return scores
+
+    def gates(self) -> torch.nn.Module | None:
+        """A gated policy's gate module: gates(layer, x [B, T, hidden]) -> log retention [B, T, KV]."""
+        return None
 
     def check(self, gm: torch.fx.GraphModule) -> str | None:
         if EVICTION_META in gm.meta:
@@ -119,15 +144,21 @@ class KVEviction(Pass):
         if self.scored:
             buffers[ops.SCORES] = torch.zeros(layers, batch, kv, self.budget, device=device)
         rows = 1 << (self.chunk - 1).bit_length()  # a graph-replay lowering pads a step to a power of two
-        buffers[ops.QUERIES] = torch.zeros(layers, batch, arch.num_heads, rows, dim, device=device, dtype=dtype)
+        if self.gated:  # the tokens' log retention is recorded, not their queries
+            buffers[ops.RETENTION] = torch.zeros(layers, batch, kv, rows, device=device)
+            buffers[ops.SLOT_POSITIONS] = torch.zeros(layers, batch, kv, self.budget, device=device)
+        else:
+            buffers[ops.QUERIES] = torch.zeros(layers, batch, arch.num_heads, rows, dim, device=device, dtype=dtype)
         if self.window_queries:
             buffers[ops.WINDOW_QUERIES] = torch.zeros(layers, batch, arch.num_heads, self.window, dim,
                                                       device=device, dtype=dtype)  # fmt: skip
         for name, buffer in buffers.items():
             gm.register_buffer(name, buffer, persistent=False)
         graph = gm.graph
+        if self.gated:
+            _record_retention(gm, self.gates())
         store = None
-        for layer, attention in enumerate(query.attention_ops(graph)):
+        for layer, attention in enumerate(query.attention_ops(graph) if not self.gated else ()):
             if store is None:
                 with graph.inserting_before(attention):
                     store = annotate(graph.get_attr(ops.QUERIES), Role.EVICTION)
@@ -142,7 +173,8 @@ class KVEviction(Pass):
         gm.add_submodule(ops.EVICT_MODULE, ops.trace(ops.Evict(self, shared, scales)))
         gm.meta[EVICTION_META] = self
         state_bytes = sum(b.numel() * b.element_size() for b in state.values())
-        summary = (f"cache cut to {self.budget} slots, {self.kept} kept per eviction; queries recorded in "
+        recorded = "log retention" if self.gated else "queries"
+        summary = (f"cache cut to {self.budget} slots, {self.kept} kept per eviction; {recorded} recorded in "
                    f"{layers} layers; policy state {state_bytes / 2**20:.2f} MiB")  # fmt: skip
         return PassResult(gm, True, summary)
 
@@ -169,7 +201,11 @@ class KVEviction(Pass):
         recording op; both eviction graphs are there and read the step's own buffers."""
         if gm.k_cache.shape[3] != self.budget or gm.v_cache.shape[3] != self.budget:
             raise GraphVerificationError(f"{self.name}: the cache has {gm.k_cache.shape[3]} slots, not {self.budget}")
-        for layer, attention in enumerate(query.attention_ops(gm.graph)):
+        if self.gated:
+            layers = sorted(n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.record_retention)
+            if layers != list(range(arch_of(gm).num_layers)):
+                raise GraphVerificationError(f"{self.name}: the layers recording their tokens' retention are {layers}")
+        for layer, attention in enumerate(query.attention_ops(gm.graph) if not self.gated else ()):
             q = attention.args[0]
             if q.op != "call_function" or q.target is not ops.record_queries or q.args[1] != layer:
                 raise GraphVerificationError(f"{self.name}: layer {layer}'s attention does not record its queries")

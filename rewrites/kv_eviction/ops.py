@@ -4,7 +4,9 @@ kv_queries [L, B, H, R, D] (the step's queries, written by the verify step; R = 
 power of two, for padded replays), kv_scores [L, B, KV, budget] (float32) and kv_window_queries
 [L, B, H, window, D] (SnapKV). `kv_observe(rows, first_slot, positions)` runs after the accepted path
 was compacted into slots first_slot ..: each accepted token's attention over the slots it saw updates
-the scores; rejected nodes never reach it. `kv_evict()` runs when the cache is full: per layer (and KV
+the scores (a gated policy's tokens bring their own log retention, recorded by `record_retention`
+into kv_retention [L, B, KV, R], and their positions into kv_slot_positions [L, B, KV, budget]);
+rejected nodes never reach it. `kv_evict()` runs when the cache is full: per layer (and KV
 head, where the policy ranks per head) it keeps `budget - chunk` slots, the protected ones, then the
 highest priorities, in sequence order in slots [0, kept), and zeroes the rest of the scores. Their math
 is pure functions (`observed`, `evicted`), which the graphs call and copy into the buffers and the ONNX
@@ -24,6 +26,8 @@ from .scores import accepted_attention, gumbel_noise, keep_slots
 QUERIES = "kv_queries"
 SCORES = "kv_scores"
 WINDOW_QUERIES = "kv_window_queries"
+RETENTION = "kv_retention"  # [L, B, KV, R] float32: the step's tokens' log retention (TrimKV)
+SLOT_POSITIONS = "kv_slot_positions"  # [L, B, KV, budget] float32: each slot's token position (TrimKV)
 
 
 def record_queries(store: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -32,6 +36,23 @@ def record_queries(store: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Te
     the op is never dead code."""
     store[layer, : q.shape[0], :, : q.shape[2]].copy_(q)
     return q
+
+
+def record_retention(store: torch.Tensor, layer: int, x: torch.Tensor, log_retention: torch.Tensor) -> torch.Tensor:
+    """Inserted by a gated policy (TrimKV) at each layer's attention input: keep the step's tokens' log
+    retention [B, T, KV] in store [L, rows, KV, R]; returns x [B, T, hidden], which the layer's query
+    projection then reads (so the op is never dead code)."""
+    store[layer, : x.shape[0], :, : x.shape[1]].copy_(log_retention.transpose(1, 2))
+    return x
+
+
+def retained(scores: torch.Tensor, slot_positions: torch.Tensor, retention: torch.Tensor, first_slot: int,
+             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A gated policy's state after n accepted tokens: their log retention [L, B, KV, n] and positions
+    [n] written to slots first_slot .. first_slot + n - 1 of scores and slot_positions [L, B, KV, S]."""
+    slots = (torch.arange(retention.shape[-1], device=retention.device) + first_slot).expand_as(retention)
+    placed = positions.to(slot_positions.dtype).expand_as(retention)  # [L, B, KV, n]
+    return scores.scatter(3, slots, retention), slot_positions.scatter(3, slots, placed)
 
 
 def observed(
@@ -62,15 +83,19 @@ def observed(
 
 def evicted(
     policy, scales: tuple[float, ...], protected: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    scores: torch.Tensor | None, window: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    scores: torch.Tensor | None, window: torch.Tensor | None, slot_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The full cache after an eviction, as a function. keys, values [L, B, KV, budget, D] (every slot
     committed), scores [L, B, KV, budget] or None, window [L, B, H, W, D] (SnapKV) or None, protected
     [budget] bool. Per layer and KV head the `kept` slots (protected first, then the policy's highest
     priorities) move to slots [0, kept) in sequence order; K/V past them are left as they were (the
-    next tokens overwrite them), their scores are zeroed. Returns (keys, values, scores)."""
+    next tokens overwrite them), their scores are zeroed. slot_positions [L, B, KV, budget] (a gated
+    policy) rank with the scores and move with them. Returns (keys, values, scores), and slot_positions
+    where given."""
     kept = policy.kept
-    if scores is not None:
+    if slot_positions is not None:
+        priority = policy.priority(scores, slot_positions)  # [L, B, KV, budget]
+    elif scores is not None:
         priority = policy.priority(scores)  # [L, B, KV, budget]
     elif window is not None:
         priority = torch.stack([_window_attention(policy, window[layer], keys[layer], scale)
@@ -83,6 +108,9 @@ def evicted(
     values = torch.cat((values.gather(3, rows), values[:, :, :, kept:]), dim=3)
     if scores is not None:
         scores = torch.cat((scores.gather(3, keep), torch.zeros_like(scores[..., kept:])), dim=3)
+    if slot_positions is not None:
+        slot_positions = torch.cat((slot_positions.gather(3, keep), torch.zeros_like(slot_positions[..., kept:])), dim=3)
+        return keys, values, scores, slot_positions
     return keys, values, scores
 
 
@@ -105,6 +133,12 @@ class Observe(nn.Module):
             self.register_buffer(name, buffer, persistent=False)
 
     def forward(self, rows: torch.Tensor, first_slot, positions: torch.Tensor):
+        if self.policy.gated:  # the scores are the tokens' own log retention: no attention to compute
+            retention = self.kv_retention.index_select(3, rows)  # [L, B, KV, n]
+            scores, slot_positions = retained(self.kv_scores, self.kv_slot_positions, retention, first_slot, positions)
+            self.kv_scores.copy_(scores)
+            self.kv_slot_positions.copy_(slot_positions)
+            return rows
         queries = self.kv_queries.index_select(3, rows)  # [L, B, H, n, D]
         scores = self.kv_scores if self.policy.scored else None
         window = self.kv_window_queries if self.policy.window_queries else None
@@ -131,7 +165,11 @@ class Evict(nn.Module):
     def forward(self):
         scores = self.kv_scores if self.policy.scored else None
         window = self.kv_window_queries if self.policy.window_queries else None
-        keys, values, scores = evicted(self.policy, self.scales, self.protected, self.k_cache, self.v_cache, scores, window)
+        positions = self.kv_slot_positions if self.policy.gated else None
+        keys, values, scores, *moved = evicted(self.policy, self.scales, self.protected, self.k_cache, self.v_cache,
+                                               scores, window, positions)  # fmt: skip
+        if moved:
+            self.kv_slot_positions.copy_(moved[0])
         kept = self.policy.kept
         self.k_cache[:, :, :, :kept].copy_(keys[:, :, :, :kept])
         self.v_cache[:, :, :, :kept].copy_(values[:, :, :, :kept])

@@ -10,6 +10,7 @@ papers (H2O: half heavy hitters, half recent; SnapKV: pooling kernel 5); Keyform
 | `TOVA` | the best | the last token's attention, averaged over the layer's heads | TOVA |
 | `SnapKV` | the observation window, then the best | the window's attention, pooled, per KV head | SnapKV |
 | `Keyformer` | a recent window, then the key tokens | accumulated Gumbel-softmax attention, per KV head | Keyformer |
+| `TrimKV` | the best | learned log retention times age, per KV head | TRIM-KV |
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...common.errors import InvalidParameterError
+from ...common.errors import InvalidParameterError, SpecpassError
+from ...ir import arch_of
 from .base import KVEviction, check_int
 from .scores import decayed_sum, pooled
 
@@ -140,3 +142,48 @@ class Keyformer(H2O):
         if not isinstance(self.temperature, float) or self.temperature <= 0:
             raise InvalidParameterError(f"Keyformer.temperature must be a positive float, got {self.temperature!r}")
         super().__post_init__()
+
+
+@dataclass(frozen=True)
+class TrimKV(KVEviction):
+    """TRIM-KV: a learned gate scores each token when it is created (log retention log beta, per KV
+    head, from the layer's attention input); at an eviction the tokens of highest retention
+    beta^(t - position) are kept, t the next position. gates_directory: gates trained for the model
+    (specpass.research.retention_training; heads.retention)."""
+
+    gates_directory: str = ""
+
+    gated = True
+
+    def __post_init__(self):
+        if not isinstance(self.gates_directory, str) or not self.gates_directory:
+            raise InvalidParameterError("TrimKV.gates_directory must name a directory of trained retention gates")
+        super().__post_init__()
+
+    def check(self, gm):
+        from ...heads.io import model_mismatch
+        from ...heads.retention import gates_config
+
+        try:
+            config = gates_config(self.gates_directory)
+        except SpecpassError as exc:
+            return str(exc)
+        arch = arch_of(gm)
+        if (config.num_layers, config.num_kv_heads) != (arch.num_layers, arch.num_kv_heads):
+            return (f"the retention gates in {self.gates_directory} are for {config.num_layers} layers of "
+                    f"{config.num_kv_heads} KV heads, not {arch.num_layers} of {arch.num_kv_heads}")  # fmt: skip
+        return model_mismatch("retention gates", self.gates_directory, config.model, config.hidden_size,
+                              arch.vocab_size, gm) or super().check(gm)  # fmt: skip
+
+    def gates(self):
+        from ...heads.retention import load_gates
+
+        return load_gates(self.gates_directory)
+
+    def priority(self, scores: torch.Tensor, slot_positions: torch.Tensor | None = None) -> torch.Tensor:
+        ages = slot_positions.amax(-1, keepdim=True) + 1 - slot_positions  # [L, B, KV, S]: t - position
+        return scores * ages  # log of beta^(t - position)
+
+    def export_hook(self, gm, arch, dtype):
+        """None: the export does not carry the retention gates' recorded state yet (refused by name)."""
+        return None

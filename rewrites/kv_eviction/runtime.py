@@ -16,10 +16,10 @@ import torch
 from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
 from ...ir.layout import SlotLayout
 from ...passes.runtime import RuntimeHook
-from .ops import QUERIES, SCORES, WINDOW_QUERIES
+from .ops import QUERIES, RETENTION, SCORES, SLOT_POSITIONS, WINDOW_QUERIES
 
-PER_ROW = ("k_cache", "v_cache", SCORES, QUERIES, WINDOW_QUERIES)  # buffers with a row axis (axis 1)
-KEPT_ACROSS_STEPS = (SCORES, WINDOW_QUERIES)  # per-row state that must follow its row in keep_rows
+PER_ROW = ("k_cache", "v_cache", SCORES, QUERIES, WINDOW_QUERIES, RETENTION, SLOT_POSITIONS)  # a row axis (axis 1)
+KEPT_ACROSS_STEPS = (SCORES, WINDOW_QUERIES, SLOT_POSITIONS)  # per-row state that must follow its row in keep_rows
 
 
 class Eviction(RuntimeHook):
