@@ -1,6 +1,6 @@
 """KV-cache eviction as a graph rewrite: the pass every policy (policies.py) shares.
 
-Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer. The cache holds at most `budget` tokens
+Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer, TRIM-KV. The cache holds at most `budget` tokens
 per layer and KV head (the K/V buffers are cut to `budget` slots); when the committed tokens fill it, the
 policy keeps `kept = budget - chunk` and the next `chunk` tokens fill the freed slots. Evicting in chunks
 puts evictions at fixed token counts, so any split of the input into steps gives the same cache and
@@ -8,7 +8,8 @@ speculation changes nothing of its own. Keys keep their original rotary position
 is exactly hiding it from attention. Scores come from committed tokens only.
 
 Rewrite: cut the caches, add the policy's state buffers, record each layer's queries
-(`ops.record_queries`) and add the side graphs `kv_observe` / `kv_evict` (ops.py), run after each commit.
+(`ops.record_queries`; a gated policy, TrimKV: its gates' log retention of each token, `ops.record_retention`)
+and add the side graphs `kv_observe` / `kv_evict` (ops.py), run after each commit.
 Refused: a second eviction pass, sliding-window or soft-capped attention, an early-exit step, a sharded step.
 """
 
