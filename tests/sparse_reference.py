@@ -10,7 +10,7 @@ as `rewrites/sparse_attention` states them from the papers:
   attends to its choice.
 
 Nothing of specpass's graph, kernels or decoding runs here; from a pass only `tokens`, `vote` and
-`selecting_layers` are read.
+`selecting_layers` and `selecting_layers_attend_fully` are read.
 """
 
 from __future__ import annotations
