@@ -1,8 +1,8 @@
 """Sparse attention (rewrites.sparse_attention, TidalDecode and TokenSelect): the selection against brute
 force, the CPU kernels against the reference ops, the graph each pass produces and verifies, refusals,
 every slot selected = the full model, greedy against an independent reference (tests/sparse_reference.py)
-one token a step, speculatively and in a batch, the CPU lowerings and ONNX Runtime alike, and a
-pipeline with KV eviction."""
+one token a step, speculatively and in a batch, the CPU lowerings, ONNX Runtime and the GGUF lowering
+alike, and a pipeline with KV eviction."""
 
 import pytest
 import torch
@@ -249,3 +249,15 @@ def test_sparse_attention_composes_with_kv_eviction(order):
     assert tokens != _generate(model, ids, sparse, budget=1)[0]
     assert tokens != _generate(model, ids, TOVA(32, 8), budget=1)[0]
     assert H2O(32, 8).check(specpass.Pipeline(TreeAttention(16), sparse).run(capture(model, cache_size=64))[0]) is None
+
+
+@torch.no_grad()
+def test_the_gguf_lowering_attends_sparsely_on_the_default_model(default_model):
+    """TidalDecode at its default layers (2 and 12 of SmolLM2's 30) on the GGUF lowering: speculative
+    decoding gives the tokens of one token a step."""
+    model, tokenizer = default_model
+    ids = tokenizer("def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n", return_tensors="pt").input_ids
+    sparse = TidalDecode(8)
+    want, _ = _generate(model, ids, sparse, budget=1, new=16, lowering="gguf")
+    got, stats = _generate(model, ids, sparse, budget=8, new=16, lowering="gguf")
+    assert got == want and stats.tau > 1.0
