@@ -27,6 +27,11 @@ def attention_ops(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]
 
 
+def is_sharded(graph: torch.fx.Graph) -> bool:
+    """Whether the step calls collectives (a TensorParallel shard of the model)."""
+    return any(n.op == "call_function" and "_c10d_functional" in str(n.target) for n in graph.nodes)
+
+
 def base_mask(mask: torch.fx.Node | None) -> torch.fx.Node | None:
     """The mask under a sliding-window layer's restriction (`ir.ops.sliding_window_visibility`), or
     `mask` itself: the slot-layout mask that rewrites replace."""

@@ -79,7 +79,7 @@ class SparseAttention(Pass):
         window = arch_of(gm).smallest_window
         if window is not None:
             return f"the model has sliding-window layers (window {window}): they already restrict what a query sees"
-        if any(n.op == "call_function" and "_c10d_functional" in str(n.target) for n in graph.nodes):
+        if query.is_sharded(graph):
             return "the step is sharded over processes (TensorParallel): a choice would see only this process's heads"
         if query.shared_write_slots(graph) is None:
             return "the cache writes do not share one slot index (a query's own slot is read from it)"

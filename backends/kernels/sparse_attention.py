@@ -60,44 +60,39 @@ def _exponentiate(scores):
 
 @numba.njit(cache=True, boundscheck=False)
 def _top(scores, order, count, own, out):
-    """out [count] = the own slot (if in `order`) and the highest `scores` of the slots in `order`
-    (ascending), ascending, -1 first where fewer than count; scores [S] f32."""
+    """out [count] = the own slot (if in `order`) and the slots of `order` (ascending) with the highest
+    `scores` (aligned with `order`; ties: the lower slot), ascending, -1 first where fewer than count."""
     n = order.shape[0]
-    chosen = np.zeros(scores.shape[0], np.bool_)
-    taken = 0
+    chosen = np.zeros(n, np.bool_)
+    rest = np.empty(n, np.float32)  # the other slots' scores
+    m = 0
     for i in range(n):
         if order[i] == own:
-            chosen[own] = True
-            taken = 1
-    if n - taken > 0 and count - taken > 0:
-        rest = np.empty(n - taken, np.float32)
-        j = 0
+            chosen[i] = True
+        else:
+            rest[m] = scores[i]
+            m += 1
+    want = min(count - (n - m), m)
+    if want > 0:
+        threshold = np.partition(rest[:m], m - want)[m - want]  # the want-th highest
+        taken = 0
         for i in range(n):
-            if order[i] != own:
-                rest[j] = scores[order[i]]
-                j += 1
-        want = min(count - taken, rest.shape[0])
-        threshold = np.partition(rest, rest.shape[0] - want)[rest.shape[0] - want]  # the want-th highest
-        above = 0
-        for i in range(n):
-            s = order[i]
-            if s != own and scores[s] > threshold:
-                chosen[s] = True
-                above += 1
+            if order[i] != own and scores[i] > threshold:
+                chosen[i] = True
+                taken += 1
         for i in range(n):  # ties at the threshold: the lower slots
-            s = order[i]
-            if above < want and s != own and scores[s] == threshold:
-                chosen[s] = True
-                above += 1
+            if taken < want and order[i] != own and scores[i] == threshold:
+                chosen[i] = True
+                taken += 1
     picked = 0
-    for s in range(scores.shape[0]):
-        picked += chosen[s]
+    for i in range(n):
+        picked += chosen[i]
     j = count - picked
     for i in range(j):
         out[i] = _NONE
-    for s in range(scores.shape[0]):
-        if chosen[s]:
-            out[j] = s
+    for i in range(n):
+        if chosen[i]:
+            out[j] = order[i]
             j += 1
 
 
@@ -120,18 +115,15 @@ def _select(q, keys, visible, own_slots, scale, vote, out):
             if visible[b, 0, t, s]:
                 order[n] = s
                 n += 1
-        scores = np.zeros(slots, np.float32)
-        row = np.empty(n, np.float32)  # the visible slots' scores, in `order`
+        scores = np.zeros(n, np.float32)  # the visible slots', in `order`
+        row = np.empty(n, np.float32)
         block = np.zeros((q.shape[3], KEY_BLOCK), np.float32)
         for h in range(first, last):
-            _scores_of(q[b, h, t], keys[b, h // group], order[:n], scale, block, row)
-            if not vote:
+            _scores_of(q[b, h, t], keys[b, h // group], order[:n], scale, block, scores if not vote else row)
+            if vote:  # each head's softmax, summed over the heads in order
+                total = _exponentiate(row)
                 for i in range(n):
-                    scores[order[i]] = row[i]
-                continue
-            total = _exponentiate(row[:n])
-            for i in range(n):
-                scores[order[i]] += row[i] / total
+                    scores[i] += row[i] / total
         _top(scores, order[:n], count, own_slots[b, t], out[b, first, t])
         for h in range(first + 1, heads if vote else last):
             out[b, h, t] = out[b, first, t]
@@ -172,15 +164,18 @@ _attend_parallel = numba.njit(cache=True, parallel=True, boundscheck=False)(_nam
 _attend_serial = numba.njit(cache=True, boundscheck=False)(_named(_attend_selected, "_attend_selected_serial"))
 
 
-def _float32(*tensors: torch.Tensor) -> list[np.ndarray]:
-    return [x.detach().float().contiguous().numpy() for x in tensors]
+def _float32(q: torch.Tensor, *cache: torch.Tensor, slots: int) -> list[np.ndarray]:
+    """q and the cache rows as float32 arrays; another dtype converts only the `slots` attended slots."""
+    if q.dtype != torch.float32:
+        cache = tuple(x[:, :, :slots] for x in cache)
+    return [x.detach().float().contiguous().numpy() for x in (q, *cache)]
 
 
 def select_slots(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, count: int,
                  own_slots: torch.Tensor, vote: bool) -> torch.Tensor:  # fmt: skip
     """ir.ops.select_slots in the module docstring's arithmetic: [B, H, T, count] int64."""
     out = torch.empty((*q.shape[:3], count), dtype=torch.int64)
-    q_, keys_ = _float32(q, keys)
+    q_, keys_ = _float32(q, keys, slots=mask.shape[-1])
     select = _select_parallel if numba_threads(q.numel() * mask.shape[-1]) > 1 else _select_serial
     select(q_, keys_, mask.detach().contiguous().numpy(), own_slots.detach().contiguous().numpy(),
             np.float32(scale), vote, out.numpy())  # fmt: skip
@@ -191,7 +186,7 @@ def selected_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
                        selected: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """ir.ops.selected_attention in the module docstring's arithmetic: [B, H, T, D] in q's dtype."""
     out = torch.empty(q.shape, dtype=torch.float32)
-    q_, keys_, values_ = _float32(q, keys, values)
+    q_, keys_, values_ = _float32(q, keys, values, slots=mask.shape[-1])
     attend = _attend_parallel if numba_threads(q.numel() * selected.shape[-1]) > 1 else _attend_serial
     attend(q_, keys_, values_, mask.detach().contiguous().numpy(), selected.detach().contiguous().numpy(),
                      np.float32(scale), out.numpy())  # fmt: skip

@@ -131,7 +131,7 @@ class KVEviction(Pass):
             return f"the model has sliding-window layers (window {window}): eviction would need the window's own rule"
         if resume_graph(gm) is not None:
             return "the step has an early-exit draft graph, which records queries one token at a time"
-        if any(n.op == "call_function" and "_c10d_functional" in str(n.target) for n in gm.graph.nodes):
+        if query.is_sharded(gm.graph):
             return "the step is sharded over processes (TensorParallel)"
         return None
 
