@@ -58,7 +58,7 @@ def step_differences(model) -> dict[str, float]:
     step, _, _ = lower(tree_gm, "eager", torch.device("cpu"), 8, CACHE)
     step(ids[:, :20], SlotLayout.chain(0, 20))
     tree = DraftTree((5, 17, 33, 41, 2, 8, 60), PARENTS, (1.0,) * 7, (None,) * 7)
-    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout.tree(20, tree.ancestor_mask()))  # [1, 7, V]
+    logits, _ = step(torch.from_numpy(tree.tokens)[None], SlotLayout.tree(20, tree.ancestor_mask()))  # [1, 7, V]
     verify = 0.0
     for node in range(len(PARENTS)):
         branch = [node]

@@ -2,7 +2,7 @@
 suffix drafting), draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
 
 from .aded import Aded
-from .base import Combined, Drafter, PerRowDrafting, draft_row, expected_tokens, observe_row
+from .base import Combined, Drafter, PerRowDrafting, draft_row, observe_row
 from .chains import ChainDrafting
 from .copy_spec import CopySpec
 from .contract import (
@@ -14,8 +14,8 @@ from .prompt_lookup import PromptLookup
 from .self_draft import SelfDraft
 from .suffix import Suffix
 from .token_recycling import TokenRecycling
-from .tree_rows import TreeRows
-from .tree import Candidate, DraftTree, DrawnCandidate, accept_greedy, build_tree
+from .best_first import Candidate, DrawnCandidate, build_tree
+from .tree import DraftTree, accept_greedy, first_branches
 
 
 def default_drafter() -> Drafter:
@@ -40,7 +40,6 @@ __all__ = [
     "PerRowDrafting",
     "RootsOnly",
     "RowsDrafting",
-    "TreeRows",
     "Heads",
     "PromptLookup",
     "SelfDraft",
@@ -50,7 +49,17 @@ __all__ = [
     "accept_greedy",
     "build_tree",
     "default_drafter",
+    "first_branches",
     "draft_row",
-    "expected_tokens",
     "observe_row",
 ]
+
+
+def __getattr__(name: str):
+    if name == "TreeRows":  # the 0.1 name of a batch's trees, until 0.2 (docs/design.md, "Renamed names")
+        import warnings
+
+        warnings.warn("specpass.drafters.TreeRows is now DraftTree (one type for one row's tree and a batch's)",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return DraftTree
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

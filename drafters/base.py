@@ -13,8 +13,8 @@ import torch
 
 from .chains import ChainSession, drafting_at_once
 from .contract import ChainSource, DraftModel, DraftSession, RowsDrafting, TargetForward
-from .tree import DraftTree, build_tree
-from .tree_rows import TreeRows
+from .best_first import build_tree
+from .tree import DraftTree
 from ..common.errors import InvalidParameterError
 
 
@@ -131,7 +131,7 @@ class PerRowDrafting(RowsDrafting):
         self.drafting_row = drafting_row or (lambda b: contextlib.nullcontext())
         self.skips = all(session.skips for row in self.sessions for session in row)
 
-    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
+    def draft(self, histories, max_nodes, max_depths) -> DraftTree:
         by_class: dict[type, list[DraftSession]] = {}
         for row in self.sessions:
             for session in row:
@@ -142,9 +142,9 @@ class PerRowDrafting(RowsDrafting):
         for b, (row, tokens, depth) in enumerate(zip(self.sessions, histories, max_depths, strict=True)):
             with self.drafting_row(b):  # a self-draft writes its chain's lower layers in this row
                 trees.append(draft_row(row, tokens, max_nodes, depth))
-        return TreeRows.stack(trees)
+        return DraftTree.stack(trees)
 
-    def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
+    def precomputed(self, trees: DraftTree) -> torch.Tensor | None:
         """The exit states of every row's nodes, if in each row a session computed them all
         (DraftSession.precomputed); padding nodes' states are zeros."""
         rows = []
@@ -175,23 +175,14 @@ def observe_row(sessions: Sequence[DraftSession], tree: DraftTree, verified: Tar
                 tokens: Sequence[int]) -> None:  # fmt: skip
     """One row's verify step: each drafted node whose parent was accepted is credited to the session
     that proposed it (accepted or not), then every session observes the step."""
-    on_path = set(path)
+    on_path, parents = set(path), tree.parents.tolist()
     for i in range(1, len(tree)):
-        origin = tree.origins[i]
-        if origin is not None and tree.parents[i] in on_path:
+        origin = tree.origins[i] if tree.origins is not None else None
+        if origin is not None and parents[i] in on_path:
             source, key = origin
             sessions[source].stats.record(key, i in on_path)
     for session in sessions:
         session.observe(tree, verified, path, tokens)
-
-
-def expected_tokens(tree: DraftTree) -> list[float]:
-    """expected[n-1]: expected tokens per step when verifying the first n nodes (bonus token included)."""
-    out, total = [], 1.0
-    for i, score in enumerate(tree.scores):
-        total += score if i > 0 else 0.0
-        out.append(total)
-    return out
 
 
 def _check_positive_int(owner: str, name: str, value: object, low: int = 1, high: int = 1 << 16) -> None:
@@ -204,4 +195,4 @@ def check_params(owner: str, **params: object) -> None:
         _check_positive_int(owner, name, value)
 
 
-__all__ = ["Combined", "Drafter", "PerRowDrafting", "check_params", "draft_row", "expected_tokens", "observe_row"]
+__all__ = ["Combined", "Drafter", "PerRowDrafting", "check_params", "draft_row", "observe_row"]

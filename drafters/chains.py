@@ -22,8 +22,8 @@ import numpy as np
 from .contract import Chains, ChainSource, DraftSession, RowsDrafting, TargetForward
 from .stats import AcceptanceStats
 from .successor_table import SuccessorSource
-from .tree import Candidate
-from .tree_rows import TreeRows
+from .best_first import Candidate
+from .tree import DraftTree
 
 
 class RowRates:
@@ -103,7 +103,7 @@ class ChainDrafting(RowsDrafting):
             for prompt, prefill in zip(prompts, prefills, strict=True):
                 self.table.write_prompt(prompt, prefill.topk)
 
-    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
+    def draft(self, histories, max_nodes, max_depths) -> DraftTree:
         from . import kernels  # compiled on first use
 
         self.histories.sync(histories)
@@ -118,7 +118,7 @@ class ChainDrafting(RowsDrafting):
                                     np.asarray(max_depths, dtype=np.int64))  # fmt: skip
         tokens, parents, origins, scores, sizes, ancestors = built
         n = int(sizes.max())
-        return TreeRows(tokens[:, :n], parents[:, :n], scores[:, :n], sizes, ancestors[:, :n, :n], origins=origins[:, :n])
+        return DraftTree(tokens[:, :n], parents[:, :n], scores[:, :n], origins[:, :n], None, sizes, ancestors[:, :n, :n])
 
     def _chains(self, history: np.ndarray, lengths: np.ndarray) -> Chains:
         """Every source's chains side by side, their keys moved to the sources' places in the rates."""
@@ -140,7 +140,7 @@ class ChainDrafting(RowsDrafting):
         return Chains(np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(keys, dtype=np.int64),
                       np.ascontiguousarray(divisors, dtype=np.float64))  # fmt: skip
 
-    def observe(self, trees: TreeRows, verified: TargetForward, paths, histories) -> None:
+    def observe(self, trees: DraftTree, verified: TargetForward, paths, histories) -> None:
         from . import kernels  # compiled on first use
 
         lengths = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))

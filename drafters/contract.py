@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from .stats import AcceptanceStats
-from .tree import CandidateSource, DraftTree
-from .tree_rows import TreeRows
+from .best_first import CandidateSource
+from .tree import DraftTree
 from ..ir.draft import DraftGraphSpec
 
 
@@ -41,17 +41,17 @@ class RowsDrafting(ABC):
     skips = False  # True: a step may verify roots only without drafting (then `observe` sees those trees)
 
     @abstractmethod
-    def draft(self, histories: Sequence[Sequence[int]], max_nodes: int, max_depths: Sequence[int]) -> TreeRows:
+    def draft(self, histories: Sequence[Sequence[int]], max_nodes: int, max_depths: Sequence[int]) -> DraftTree:
         """Each row's tree rooted at its history's last token, at most max_nodes nodes and
         max_depths[b] levels below the root."""
 
-    def precomputed(self, trees: TreeRows) -> torch.Tensor | None:
+    def precomputed(self, trees: DraftTree) -> torch.Tensor | None:
         """[B, T, H]: when every row's tree was already run through the layers below an early exit
         (DraftSession.precomputed), those states (padding nodes' zeros); else None."""
         return None
 
     @abstractmethod
-    def observe(self, trees: TreeRows, verified: TargetForward, paths: Sequence[Sequence[int]],
+    def observe(self, trees: DraftTree, verified: TargetForward, paths: Sequence[Sequence[int]],
                 histories: Sequence[Sequence[int]]) -> None:  # fmt: skip
         """Learn from a verify step whose accepted paths (node indices, root first) are `paths`;
         histories: each row's tokens up to and including its tree's root."""
@@ -64,8 +64,8 @@ class RowsDrafting(ABC):
 class RootsOnly(RowsDrafting):
     """One-node trees: nothing is drafted."""
 
-    def draft(self, histories, max_nodes, max_depths) -> TreeRows:
-        return TreeRows.roots([h[-1] for h in histories])
+    def draft(self, histories, max_nodes, max_depths) -> DraftTree:
+        return DraftTree.roots([h[-1] for h in histories])
 
     def observe(self, trees, verified, paths, histories) -> None:
         pass

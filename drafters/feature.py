@@ -69,7 +69,7 @@ class FeatureSession(DraftSession):
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         bonus = int(verified.choices[path[-1]])
-        self.pending = ([tree.tokens[i] for i in path[1:]] + [bonus], verified.hidden[list(path)])
+        self.pending = (tree.tokens[list(path[1:])].tolist() + [bonus], verified.hidden[list(path)])
         self.root, self.table = bonus, None
 
     def candidates(self, tokens: Sequence[int]):

@@ -24,7 +24,8 @@ import torch
 from .base import Drafter, check_params
 from .contract import DraftModel, DraftSession, TargetForward
 from .stats import AcceptanceStats, ProbabilityCalibration
-from .tree import Candidate, DraftLaw, Drawn, DrawnCandidate, DraftTree
+from .best_first import Candidate, DrawnCandidate
+from .tree import DraftLaw, Drawn, DraftTree
 from ..common.errors import InvalidParameterError
 from ..ir.draft import HEADS_KIND
 

@@ -154,7 +154,7 @@ def build_trees(roots, previous, chains, chain_keys, divisors, rates, by_token, 
     [B, K]: each row's rate per stats key; by_token [V, k], pair_keys [P], by_pair [P, k]: Token
     Recycling's table (V = 0: none), its stats keys r (token table, rank r) and k + r (pair table).
     Returns tokens, parents, origins [B, N] int64, scores [B, N] float64, sizes [B] int64, ancestors
-    [B, N, N] bool, N = max_nodes (padding as in drafters.tree_rows)."""
+    [B, N, N] bool, N = max_nodes (padding as in drafters.tree)."""
     batch, count = chains.shape[0], chains.shape[1]
     k = by_token.shape[1]
     tokens = np.zeros((batch, max_nodes), np.int64)

@@ -22,7 +22,8 @@ from .base import Drafter, check_params
 from .contract import DraftModel, DraftSession, TargetForward
 from .depth_control import DepthController
 from .stats import AcceptanceStats
-from .tree import Candidate, DraftTree
+from .best_first import Candidate
+from .tree import DraftTree
 from ..common.errors import InvalidParameterError
 from ..ir.draft import EARLY_EXIT_KIND
 from ..ir.layout import SlotLayout
@@ -99,13 +100,13 @@ class SelfDraftSession(DraftSession):
 
     def precomputed(self, tree: DraftTree) -> torch.Tensor | None:
         """[T, H] exit states of the tree's nodes when the tree is (a prefix of) this step's chain."""
-        if self.states is None or not tree.is_chain() or tree.tokens != self.chain[: len(tree)]:
+        if self.states is None or not tree.is_chain() or tuple(tree.tokens.tolist()) != self.chain[: len(tree)]:
             return None
         return self.states[: len(tree)]
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         """Keep what the step gave for the controller: tokens emitted, and how many the chain drafted."""
-        accepted, drafted = [tree.tokens[i] for i in path[1:]], self.chain[1:]
+        accepted, drafted = tree.tokens[list(path[1:])].tolist(), self.chain[1:]
         from_chain = 0
         while from_chain < min(len(accepted), len(drafted)) and accepted[from_chain] == drafted[from_chain]:
             from_chain += 1

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from .base import Drafter, check_params
 from .contract import DraftSession, TargetForward
 from .stats import AcceptanceStats
-from .tree import Candidate, DraftTree
+from .best_first import Candidate
+from .tree import DraftTree
 
 # P(accepted | parent accepted) per match length, before any verify step is seen (then measured).
 _PRIORS = {1: 0.3, 2: 0.5, 3: 0.65, 4: 0.75}
@@ -167,7 +168,7 @@ class SuffixSession(DraftSession):
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         """Stores the accepted tokens and the target's next choice, so a match can use them at once."""
         self._sync(tokens)
-        self.writer.extend([*(tree.tokens[i] for i in path[1:]), int(verified.choices[path[-1]])])
+        self.writer.extend([*tree.tokens[list(path[1:])].tolist(), int(verified.choices[path[-1]])])
 
 
 class _Continuations:

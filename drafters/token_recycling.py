@@ -79,8 +79,7 @@ class TokenRecyclingSession(DraftSession):
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         root_previous = tokens[-2] if len(tokens) > 1 else -1  # tokens ends with the tree's root
-        parents = np.asarray(tree.parents)
-        node_tokens = np.asarray(tree.tokens)
+        parents, node_tokens = tree.parents, tree.tokens
         previous = np.where(parents >= 0, node_tokens[np.maximum(parents, 0)], root_previous)
         self.table.write(previous, node_tokens, verified.topk[:, : self.k].numpy())
 

@@ -19,7 +19,7 @@ import specpass
 from conftest import NEW_TOKENS
 from specpass.drafters import Drafter, DraftSession
 from specpass.drafters.stats import AcceptanceStats
-from specpass.drafters.tree import Candidate
+from specpass.drafters.best_first import Candidate
 from specpass.common.errors import PassMismatchError
 from specpass.ir import arch_of, draft_spec, model_parts
 from specpass.ir.decode_step import ApplyRope, RotaryPositions

@@ -31,7 +31,7 @@ def test_tree_verification_equals_hf_on_every_branch(arch):
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
     step(prompt, SlotLayout.chain(0, 20))
     tree = DraftTree((5, 17, 33, 41, 2, 8, 60), PARENTS, (1.0,) * 7, (None,) * 7)
-    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout.tree(20, tree.ancestor_mask()))  # [1, 7, V]
+    logits, _ = step(torch.from_numpy(tree.tokens)[None], SlotLayout.tree(20, tree.ancestor_mask()))  # [1, 7, V]
     for leaf in (3, 5, 6):
         branch, node = [], leaf
         while node >= 0:

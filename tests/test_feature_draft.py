@@ -432,7 +432,7 @@ def test_the_dynamic_tree_is_the_brute_force_top_n(trained):
     highest path probability (EAGLE-2's reranking), at every size."""
     from specpass.drafters.feature import Feature, FeatureSession
     from specpass.drafters.heads import CandidateTable
-    from specpass.drafters.tree import build_tree
+    from specpass.drafters.best_first import build_tree
 
     draft, tokens, features = _session_parts(trained, 10)
     session = FeatureSession(Feature(top_k=4, beam=3, depth=4), draft, tokens[:10],

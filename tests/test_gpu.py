@@ -28,7 +28,7 @@ def test_cuda_graph_step_equals_eager_step(lowering):
     for step in (eager, graphed):  # same prefill in both
         step(prompt, SlotLayout.chain(0, 40, "cuda"))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
-    ids, layout = torch.tensor([tree.tokens]), SlotLayout.tree(40, tree.ancestor_mask())
+    ids, layout = torch.from_numpy(tree.tokens)[None], SlotLayout.tree(40, tree.ancestor_mask())
     expected, _ = eager(ids.cuda(), layout.to("cuda"))
     for where in ("cuda", "cuda", "cpu", "cpu"):  # capture, then replays
         got, _ = graphed(ids.to(where), layout.to(where))

@@ -31,7 +31,7 @@ def _run_prefix_and_tree(step):
     prompt = torch.randint(0, 96, (1, 30))
     step(prompt, SlotLayout.chain(0, 30))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
-    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout.tree(30, tree.ancestor_mask()))
+    logits, _ = step(torch.from_numpy(tree.tokens)[None], SlotLayout.tree(30, tree.ancestor_mask()))
     return logits
 
 
@@ -164,7 +164,7 @@ def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
     if not tree_step:
         tree = DraftTree.chain((5, 6, 7, 8, 9))
-    ids, layout = torch.tensor([tree.tokens]), SlotLayout.tree(30, tree.ancestor_mask())
+    ids, layout = torch.from_numpy(tree.tokens)[None], SlotLayout.tree(30, tree.ancestor_mask())
     expected, _ = step(ids, layout)
     real_kv = gm.k_cache[:, :, :, 30:35].clone()
     inputs = layout.padded(8, 1).step_inputs(ids)

@@ -32,7 +32,7 @@ def _prefix_and_tree(step, gm):
     prompt = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(1))
     step(prompt, SlotLayout.chain(0, 30))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
-    logits, _ = step(torch.tensor([tree.tokens]), SlotLayout.tree(30, tree.ancestor_mask()))
+    logits, _ = step(torch.from_numpy(tree.tokens)[None], SlotLayout.tree(30, tree.ancestor_mask()))
     return logits, gm.k_cache.clone(), gm.v_cache.clone()
 
 

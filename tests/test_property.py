@@ -19,7 +19,7 @@ from conftest import TINY_ARCHS, TINY_CONFIGS, padded, recorded_logits
 import specpass
 from specpass.drafters import Combined, Drafter, DraftSession, PromptLookup, Suffix, TokenRecycling
 from specpass.drafters.stats import AcceptanceStats
-from specpass.drafters.tree import Candidate
+from specpass.drafters.best_first import Candidate
 from specpass.rewrites import TreeAttention
 
 st = hypothesis.strategies

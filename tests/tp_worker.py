@@ -41,7 +41,7 @@ def _steps(gm) -> list[torch.Tensor]:
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)
     return [run(prompt, SlotLayout.chain(0, 20)), run(torch.tensor([[11]]), SlotLayout.chain(20, 1)),
-            run(torch.tensor([tree.tokens]), SlotLayout.tree(21, tree.ancestor_mask()))]  # fmt: skip
+            run(torch.from_numpy(tree.tokens)[None], SlotLayout.tree(21, tree.ancestor_mask()))]  # fmt: skip
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import numpy as np
 
 
 def accept_rows(tokens: np.ndarray, parents: np.ndarray, sizes: np.ndarray, choices: np.ndarray) -> list[list[int]]:
-    """tokens, parents [B, T] int64 (drafters.TreeRows), sizes [B], choices [B, T] int64 (the target's
+    """tokens, parents [B, T] int64 (drafters.DraftTree), sizes [B], choices [B, T] int64 (the target's
     choice after each node) -> each row's accepted path (node indices, root first)."""
     paths, lengths = _accept(tokens, parents, sizes, choices)
     return [row[:n] for row, n in zip(paths.tolist(), lengths.tolist())]

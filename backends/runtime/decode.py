@@ -26,7 +26,7 @@ from .program import DecodeProgram
 from .sampling import TargetChoice, choose_rows
 from .sequence import CacheCursor, SequenceState
 from ...drafters import RootsOnly, RowsDrafting, TargetForward
-from ...drafters.tree_rows import TreeRows, first_branches
+from ...drafters.tree import DraftTree, first_branches
 from ...common.errors import InvalidParameterError
 from ...ir.layout import SlotLayout
 
@@ -119,7 +119,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
             size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
             trees = trees.prefix(min(program.hooks.agreed_size(size), room))  # every process: rank 0's size
         else:
-            trees = TreeRows.roots([h[-1] for h in histories])
+            trees = DraftTree.roots([h[-1] for h in histories])
         layout = SlotLayout(tuple(s.cursor.cached for s in live), torch.from_numpy(trees.ancestors),
                             tuple(trees.sizes.tolist()), tuple(s.cursor.seen - s.cursor.cached for s in live))  # fmt: skip
         tokens = torch.from_numpy(trees.tokens)  # [B, T]
@@ -151,7 +151,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
     return prefill_seconds
 
 
-def _accept(live: list[SequenceState], trees: TreeRows, logits: torch.Tensor, hidden: torch.Tensor, top_k: int,
+def _accept(live: list[SequenceState], trees: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, top_k: int,
             resumed: bool) -> tuple[list[list[int]], TargetForward]:  # fmt: skip
     """Each row's accepted path of `trees` verified as logits [B, T, V], hidden [B, T, H], and what the
     drafters learn. Every row chooses (sampling.choose_rows) and greedy and sample-and-match rows are
@@ -241,7 +241,7 @@ def _room(program: DecodeProgram, cached: int) -> int:
     return room if program.hooks.max_step is None else min(room, program.hooks.max_step)
 
 
-def _shared_size(curve, trees: TreeRows, overhead: float) -> int:
+def _shared_size(curve, trees: DraftTree, overhead: float) -> int:
     """Tokens per row n maximising the rows' summed expected tokens over latency(n) + overhead
     (CostCurve.best_size): a row whose tree is smaller than n is padded (its expected tokens stop growing)."""
     return curve.best_size(trees.expected_tokens().sum(axis=0).tolist(), overhead)

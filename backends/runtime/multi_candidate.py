@@ -35,8 +35,8 @@ def accept_drawn(tree: DraftTree, target: NodeLaw, rng: np.random.Generator) -> 
     distribution after the node. Returns the accepted path (node indices, root first) and the token
     the target emits after its last node."""
     children: dict[int, list[int]] = {}
-    for i in range(1, len(tree)):
-        children.setdefault(tree.parents[i], []).append(i)
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        children.setdefault(parent, []).append(i)
     path = [0]
     while True:
         node = path[-1]
@@ -56,7 +56,7 @@ def _accept_one(tree: DraftTree, kids: Sequence[int], p: np.ndarray, rng: np.ran
         raise ValueError("a node's children must be the first draws of one draft law, in draw order (tree.Drawn)")
     q = law.probs.copy()  # [D]
     for kid in kids:
-        token, index = tree.tokens[kid], tree.drawn[kid].index
+        token, index = int(tree.tokens[kid]), tree.drawn[kid].index
         if rng.random() * q[index] < p[token]:  # probability min(1, p / q)
             return kid, p
         residual = p.copy()  # p is the caller's: never written in place

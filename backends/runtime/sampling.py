@@ -214,7 +214,7 @@ def choose_rows(
     sizes: np.ndarray, logits: torch.Tensor, greedy: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """[B, T] int64 (host): the target's choice after each node of every row's tree (tokens, parents
-    [B, T] on the host as drafters.TreeRows holds them, sizes [B]; histories: each row's tokens up to
+    [B, T] on the host as drafters.DraftTree holds them, sizes [B]; histories: each row's tokens up to
     its root; logits [B, T, V]; greedy [B, T]: plain greedy's choices). Rows sharing their settings
     whose processors read scores only are chosen together: one processed batch, each row's position
     noise, one argmax. A row whose processors read input_ids

@@ -80,10 +80,10 @@ class SequenceState:
     def accept_drawn(self, tree: DraftTree, logits: torch.Tensor, greedy: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Drawn drafts by the multi-candidate rule: the accepted path and the choices [T] the drafters
         read (off the path the greedy tokens `greedy` [T])."""
-        processed = self.choice.processed(logits, self.tokens, tree.parents, tree.tokens)  # [T, V]
+        processed = self.choice.processed(logits, self.tokens, tree.parents.tolist(), tree.tokens.tolist())  # [T, V]
         path, last = accept_drawn(tree, node_laws(processed), self.rng)
         choices = greedy.clone()  # [T]
-        choices[path[:-1]] = torch.tensor([tree.tokens[i] for i in path[1:]], dtype=torch.long)
+        choices[path[:-1]] = torch.from_numpy(tree.tokens[path[1:]])
         choices[path[-1]] = last
         return path, choices
 
