@@ -11,38 +11,43 @@ from specpass.backends.runtime.gate import DraftingGate
 from specpass.drafters import Suffix
 
 
-def test_the_gate_drafts_until_the_evidence_says_plain_steps_are_faster_then_tries_ever_less_often():
-    gate = DraftingGate(window=4, evidence=3, first_probe=2, max_probe=8, probe=2, until_probe=2)
+def test_the_gate_drafts_until_the_evidence_measures_a_plain_step_then_runs_the_faster_kind():
+    """Drafted steps until there is evidence, one plain step to measure it, then the faster kind, the
+    other tried ever less often (4, then 8 steps apart: the interval doubles, capped); when the other
+    kind becomes faster the roles swap and the tries start over."""
+    gate = DraftingGate(window=4, evidence=3, first_probe=2, max_probe=8)
     for _ in range(2):  # drafts fail, but two steps are not evidence yet
         assert gate.drafts()
-        gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)  # 10 tokens/s drafted, 20 plain
+        gate.record(True, tokens=10, seconds=1.0, rows=10)  # 10 tokens/s drafted
     assert gate.drafts()
-    gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)
+    gate.record(True, tokens=10, seconds=1.0, rows=10)
+    assert not gate.drafts()  # evidence: now a plain step, measured
+    gate.record(False, tokens=10, seconds=0.5)  # 20 tokens/s plain
     choices = []
-    for _ in range(16):  # behind: plain steps; drafted tries 4, then 8 steps apart (the interval doubles, capped)
+    for _ in range(16):  # plain steps are faster: drafted tries 4, then 8 steps apart
         drafted = gate.drafts()
         choices.append(drafted)
-        if drafted:
-            gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)
-        else:
-            gate.record(False, tokens=10, seconds=0.5)
+        gate.record(drafted, tokens=10, seconds=1.0 if drafted else 0.5, rows=10)
     assert [i for i, c in enumerate(choices) if c] == [1, 5, 13]
     for _ in range(4):  # drafting pays again: the window fills with fast drafted steps
-        gate.record(True, tokens=100, seconds=1.0, plain_seconds=0.5, rows=10)
-    assert gate.drafts() and gate.probe == 2  # drafting again; the tries start over next time
+        gate.record(True, tokens=100, seconds=1.0, rows=10)
+    choices = [gate.drafts() for _ in range(8)]  # drafting now; plain steps tried 2, then 4 steps on
+    assert [i for i, c in enumerate(choices) if not c] == [1, 5] and gate.probe == 8
 
 
 def test_a_wide_batch_step_is_evidence_enough():
-    """One drafted step of 32 rows holds 32 rows' outcomes: the gate may stop drafting after it; a step
-    of 8 rows is not, and four of them are."""
+    """One drafted step of 32 rows holds 32 rows' outcomes: a plain step may follow it; a step of 8 rows
+    is not, and four of them are."""
     wide = DraftingGate()
-    wide.record(True, tokens=32, seconds=2.0, plain_seconds=1.0, rows=32)  # nothing accepted, twice the time
-    assert not wide.ahead()
+    wide.record(True, tokens=32, seconds=2.0, rows=32)  # nothing accepted
+    assert not wide.drafts()
     narrow = DraftingGate()
     for step in range(4):
-        assert narrow.ahead(), step
-        narrow.record(True, tokens=8, seconds=2.0, plain_seconds=1.0, rows=8)
-    assert not narrow.ahead()
+        assert narrow.drafts(), step
+        narrow.record(True, tokens=8, seconds=2.0, rows=8)
+    assert not narrow.drafts()
+    narrow.record(False, tokens=8, seconds=1.0)  # plain steps twice as fast: they run from here
+    assert not narrow.drafts() and not narrow.drafting_is_faster()
 
 
 @pytest.mark.parametrize("drafter", [None, Suffix()], ids=["default", "suffix"])
