@@ -15,7 +15,7 @@ def test_the_gate_drafts_until_the_evidence_measures_a_plain_step_then_runs_the_
     """Drafted steps until there is evidence, one plain step to measure it, then the faster kind, the
     other tried ever less often (4, then 8 steps apart: the interval doubles, capped); when the other
     kind becomes faster the roles swap and the tries start over."""
-    gate = DraftingGate(window=4, evidence=3, first_probe=2, max_probe=8)
+    gate = DraftingGate(window=4, evidence=3, first_probe=2, max_probe=8, clear_lead=100.0, tolerance=0.0)
     for _ in range(2):  # drafts fail, but two steps are not evidence yet
         assert gate.drafts()
         gate.record(True, tokens=10, seconds=1.0, rows=10)  # 10 tokens/s drafted
@@ -33,6 +33,23 @@ def test_the_gate_drafts_until_the_evidence_measures_a_plain_step_then_runs_the_
         gate.record(True, tokens=100, seconds=1.0, rows=10)
     choices = [gate.drafts() for _ in range(8)]  # drafting now; plain steps tried 2, then 4 steps on
     assert [i for i, c in enumerate(choices) if not c] == [1, 5] and gate.probe == 8
+
+
+def test_a_clear_lead_is_not_tried_and_drafting_within_the_tolerance_goes_on():
+    """Plain steps twice as fast: no drafted try until max_probe steps on; drafting 5 % behind plain
+    steps stays the faster kind under a 10 % tolerance, and is behind without one."""
+    gate = DraftingGate(window=4, evidence=1, first_probe=2, max_probe=6, clear_lead=2.0)
+    gate.record(True, tokens=10, seconds=1.0, rows=10)
+    gate.record(False, tokens=10, seconds=0.5)
+    assert [gate.drafts() for _ in range(8)] == [False] * 7 + [True]  # 1, then 6 steps: no try before
+    close = DraftingGate(evidence=1, tolerance=0.1)
+    close.record(True, tokens=95, seconds=1.0, rows=32)
+    close.record(False, tokens=100, seconds=1.0)
+    assert close.drafting_is_faster() and all(close.drafts() for _ in range(3))
+    strict = DraftingGate(evidence=1, tolerance=0.0)
+    strict.record(True, tokens=95, seconds=1.0, rows=32)
+    strict.record(False, tokens=100, seconds=1.0)
+    assert not strict.drafting_is_faster()
 
 
 def test_a_wide_batch_step_is_evidence_enough():
