@@ -11,60 +11,38 @@ from specpass.backends.runtime.gate import DraftingGate
 from specpass.drafters import Suffix
 
 
-def test_the_gate_drafts_until_the_evidence_measures_a_plain_step_then_runs_the_faster_kind():
-    """Drafted steps until there is evidence, one plain step to measure it, then the faster kind, the
-    other tried ever less often (4, then 8 steps apart: the interval doubles, capped); when the other
-    kind becomes faster the roles swap and the tries start over."""
-    gate = DraftingGate(window=4, evidence=3, first_probe=2, max_probe=8, clear_lead=100.0, tolerance=0.0)
+def test_the_gate_drafts_until_the_evidence_says_plain_steps_are_faster_then_tries_ever_less_often():
+    gate = DraftingGate(window=4, evidence=3, first_probe=2, max_probe=8, probe=2, until_probe=2)
     for _ in range(2):  # drafts fail, but two steps are not evidence yet
         assert gate.drafts()
-        gate.record(True, tokens=10, seconds=1.0, rows=10)  # 10 tokens/s drafted
+        gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)  # 10 tokens/s drafted, 20 plain
     assert gate.drafts()
-    gate.record(True, tokens=10, seconds=1.0, rows=10)
-    assert not gate.drafts()  # evidence: now a plain step, measured
-    gate.record(False, tokens=10, seconds=0.5)  # 20 tokens/s plain
+    gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)
     choices = []
-    for _ in range(16):  # plain steps are faster: drafted tries 4, then 8 steps apart
+    for _ in range(16):  # behind: plain steps; drafted tries 4, then 8 steps apart (the interval doubles, capped)
         drafted = gate.drafts()
         choices.append(drafted)
-        gate.record(drafted, tokens=10, seconds=1.0 if drafted else 0.5, rows=10)
+        if drafted:
+            gate.record(True, tokens=10, seconds=1.0, plain_seconds=0.5, rows=10)
+        else:
+            gate.record(False, tokens=10, seconds=0.5)
     assert [i for i, c in enumerate(choices) if c] == [1, 5, 13]
     for _ in range(4):  # drafting pays again: the window fills with fast drafted steps
-        gate.record(True, tokens=100, seconds=1.0, rows=10)
-    choices = [gate.drafts() for _ in range(8)]  # drafting now; plain steps tried 2, then 4 steps on
-    assert [i for i, c in enumerate(choices) if not c] == [1, 5] and gate.probe == 8
-
-
-def test_a_clear_lead_is_not_tried_and_drafting_within_the_tolerance_goes_on():
-    """Plain steps twice as fast: no drafted try until max_probe steps on; drafting 5 % behind plain
-    steps stays the faster kind under a 10 % tolerance, and is behind without one."""
-    gate = DraftingGate(window=4, evidence=1, first_probe=2, max_probe=6, clear_lead=2.0)
-    gate.record(True, tokens=10, seconds=1.0, rows=10)
-    gate.record(False, tokens=10, seconds=0.5)
-    assert [gate.drafts() for _ in range(8)] == [False] * 7 + [True]  # 1, then 6 steps: no try before
-    close = DraftingGate(evidence=1, tolerance=0.1)
-    close.record(True, tokens=95, seconds=1.0, rows=32)
-    close.record(False, tokens=100, seconds=1.0)
-    assert close.drafting_is_faster() and all(close.drafts() for _ in range(3))
-    strict = DraftingGate(evidence=1, tolerance=0.0)
-    strict.record(True, tokens=95, seconds=1.0, rows=32)
-    strict.record(False, tokens=100, seconds=1.0)
-    assert not strict.drafting_is_faster()
+        gate.record(True, tokens=100, seconds=1.0, plain_seconds=0.5, rows=10)
+    assert gate.drafts() and gate.probe == 2  # drafting again; the tries start over next time
 
 
 def test_a_wide_batch_step_is_evidence_enough():
-    """One drafted step of 32 rows holds 32 rows' outcomes: a plain step may follow it; a step of 8 rows
-    is not, and four of them are."""
+    """One drafted step of 32 rows holds 32 rows' outcomes: the gate may stop drafting after it; a step
+    of 8 rows is not, and four of them are."""
     wide = DraftingGate()
-    wide.record(True, tokens=32, seconds=2.0, rows=32)  # nothing accepted
-    assert not wide.drafts()
+    wide.record(True, tokens=32, seconds=2.0, plain_seconds=1.0, rows=32)  # nothing accepted, twice the time
+    assert not wide.ahead()
     narrow = DraftingGate()
     for step in range(4):
-        assert narrow.drafts(), step
-        narrow.record(True, tokens=8, seconds=2.0, rows=8)
-    assert not narrow.drafts()
-    narrow.record(False, tokens=8, seconds=1.0)  # plain steps twice as fast: they run from here
-    assert not narrow.drafts() and not narrow.drafting_is_faster()
+        assert narrow.ahead(), step
+        narrow.record(True, tokens=8, seconds=2.0, plain_seconds=1.0, rows=8)
+    assert not narrow.ahead()
 
 
 @pytest.mark.parametrize("drafter", [None, Suffix()], ids=["default", "suffix"])

@@ -113,6 +113,7 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
         drafts = gate is None or program.hooks.agreed_choice(gate.drafts())  # every process: rank 0's choice
         if drafts:
             trees = drafting.draft(histories, min(room, drafted), [s.remaining - 1 for s in live])
+            drafting_seconds = time.perf_counter() - step_started
             if not program.verifies_trees:
                 trees = first_branches(trees)
             size = _shared_size(curve, trees, overhead) if curve is not None else program.budget
@@ -134,8 +135,9 @@ def _decode(program: DecodeProgram, seqs: list[SequenceState], stream: _Stream |
             stream.flush()
         live = _retire(program, live, drafting)
         seconds = time.perf_counter() - step_started
-        if gate is not None:
-            gate.record(drafts, sum(map(len, paths)), seconds, len(paths))
+        if gate is not None:  # a plain step would not have drafted, and would have verified one node a row
+            plain = seconds - drafting_seconds - curve.latency(layout.size) + curve.latency(1) if drafts else None
+            gate.record(drafts, sum(map(len, paths)), seconds, plain, len(paths))
         if curve is not None and drafts:
             outside = seconds - curve.latency(layout.size)
             overhead = 0.9 * overhead + 0.1 * max(outside, 0.0)
