@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..common.errors import DamagedFileError, InvalidParameterError, SpecpassError
+from ..common.json_files import read_json_object
 from .modules import HeadsConfig, make_heads
 
 WEIGHTS = "heads.safetensors"
@@ -66,13 +67,7 @@ def read_json(directory: str, config_name: str, what: str, hint: str) -> dict:
     path = os.path.join(directory, config_name)
     if not os.path.exists(path):
         raise InvalidParameterError(f"no {what} at {directory!r} (no {config_name}); {hint}")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise DamagedFileError(f"{path} is damaged ({type(exc).__name__}: {exc}); {hint}") from None
-    if not isinstance(data, dict):
-        raise DamagedFileError(f"{path} is damaged (not a JSON object); {hint}")
+    data = read_json_object(path, hint)
     return data
 
 

@@ -46,8 +46,30 @@ class EarlyExitConfig:
     agreement: float = 0.0  # an exit adapter's held-out top-1 agreement with the model (0: not known)
 
 
+class ResumingDraftPass(DraftGraphPass):
+    """A self-draft whose verify step resumes at `resume_layer` from the states the draft left there
+    (the early exit and the layer skip)."""
+
+    @property
+    def resume_layer(self) -> int:
+        raise NotImplementedError
+
+    def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return cut_resume_graph(gm, self.resume_layer)
+
+    def runtime_hook(self, step):
+        """The verify step resumes from the draft's states (rewrites.exit_resume)."""
+        from .exit_resume import ExitResume
+
+        return ExitResume(step)
+
+    @classmethod
+    def config_from_dict(cls, data: dict) -> EarlyExitConfig:
+        return EarlyExitConfig(**data)
+
+
 @dataclass(frozen=True)
-class EarlyExit(DraftGraphPass):
+class EarlyExit(ResumingDraftPass):
     """layer: the draft runs the step's layers [0, layer), then exits through the step's final norm + LM
     head, or with `adapter` (a `specpass train-heads --kind exit-adapter` directory, or "default" for
     the one shipped for the embedded default model) through that trained exit adapter."""
@@ -105,18 +127,9 @@ class EarlyExit(DraftGraphPass):
                    f"{adapter.config.draft_vocab}-token head), sharing the KV cache")  # fmt: skip
         return draft, spec, summary
 
-    def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        return cut_resume_graph(gm, self.layer)
-
-    def runtime_hook(self, step):
-        """The verify step resumes above the exit from the draft's states (rewrites.exit_resume)."""
-        from .exit_resume import ExitResume
-
-        return ExitResume(step)
-
-    @classmethod
-    def config_from_dict(cls, data: dict) -> EarlyExitConfig:
-        return EarlyExitConfig(**data)
+    @property
+    def resume_layer(self) -> int:
+        return self.layer
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """The draft graph runs only layers < k, the resume graph only layers >= k, and both still take

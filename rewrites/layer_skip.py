@@ -24,9 +24,7 @@ from ..common.errors import InvalidParameterError
 from ..ir import arch_of
 from ..ir.draft import DraftGraphSpec
 from ..ir.split import skip_graph
-from ..ir.split import resume_graph as cut_resume_graph
-from ..passes.draft import DraftGraphPass
-from .early_exit import EarlyExitConfig, resumable_spec, verify_draft_and_resume
+from .early_exit import ResumingDraftPass, resumable_spec, verify_draft_and_resume
 from .ladder_residual import laddered_layers
 from .tree_attention import TREE_ATTENTION
 
@@ -34,7 +32,7 @@ LAYER_SKIP = "layer_skip"
 
 
 @dataclass(frozen=True, init=False)
-class LayerSkip(DraftGraphPass):
+class LayerSkip(ResumingDraftPass):
     """skip: the layers the draft leaves out (stored sorted, without repeats)."""
 
     skip: tuple[int, ...]
@@ -72,18 +70,10 @@ class LayerSkip(DraftGraphPass):
         return draft, spec, (f"the step without layers {_ranges(self.skip)} ({layers - len(self.skip)} of {layers} "
                              f"layers), sharing the KV cache; verified from layer {self.skip[0]}")  # fmt: skip
 
-    def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        return cut_resume_graph(gm, self.skip[0])
-
-    def runtime_hook(self, step):
-        """The verify step resumes above the first skipped layer from the draft's states (rewrites.exit_resume)."""
-        from .exit_resume import ExitResume
-
-        return ExitResume(step)
-
-    @classmethod
-    def config_from_dict(cls, data: dict) -> EarlyExitConfig:
-        return EarlyExitConfig(**data)
+    @property
+    def resume_layer(self) -> int:
+        """The first skipped layer: the verify step resumes there."""
+        return self.skip[0]
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
         """The draft graph runs no skipped layer, the resume graph no layer below the first skipped

@@ -3,7 +3,6 @@ export's manifest, IOBinding to torch tensors, and the float tolerance an export
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from ...common.errors import DamagedFileError, ExportError, SpecpassError
+from ...common.json_files import read_json_object
 
 MANIFEST_VERSION = 2  # 2: the draft graph's entry is its DraftGraphSpec (ir.draft)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-2}  # max |ORT - PyTorch| on an export's check, or:
@@ -63,14 +63,7 @@ def read_manifest(directory: str) -> dict:
     path = os.path.join(directory, "manifest.json")
     if not os.path.exists(path):
         raise SpecpassError(f"{directory} holds no specpass export (no manifest.json); run `specpass export -o DIR`")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise DamagedFileError(f"{path} is damaged ({type(exc).__name__}: {exc}); export the model again "
-                               "(specpass export -o DIR --force)") from None  # fmt: skip
-    if not isinstance(manifest, dict):
-        raise DamagedFileError(f"{path} is damaged (not a JSON object); export the model again (specpass export -o DIR --force)")
+    manifest = read_json_object(path, "export the model again (specpass export -o DIR --force)")
     if manifest.get("format_version") != MANIFEST_VERSION:
         raise SpecpassError(
             f"{path}: manifest format {manifest.get('format_version')!r}, this specpass reads format "
