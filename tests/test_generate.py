@@ -111,7 +111,7 @@ def test_drafters_equal_greedy(default_model, cases, name):
 def test_chain_only_pipeline_equals_greedy(default_model, cases, trees):
     model, _ = default_model
     options = {"pipeline": specpass.Pipeline(), "drafter": PromptLookup(), "lowering": "eager"}
-    for ids, reference in cases[:2]:
+    for ids, reference in cases[:1]:  # a code prompt: prompt lookup drafts chains there
         trees.clear()
         out = specpass.generate(model, ids, max_new_tokens=NEW_TOKENS, options=options)
         assert torch.equal(out.sequences, reference)
