@@ -14,6 +14,7 @@ no pass after it. Refused: k outside [1, L), a second draft graph, an adapter fo
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,8 +52,9 @@ class ResumingDraftPass(DraftGraphPass):
     (the early exit and the layer skip)."""
 
     @property
+    @abstractmethod
     def resume_layer(self) -> int:
-        raise NotImplementedError
+        """The first layer the verify step runs after the draft's states."""
 
     def build_resume(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return cut_resume_graph(gm, self.resume_layer)
