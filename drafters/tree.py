@@ -20,8 +20,9 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class DraftTree:
-    """One tree ([N] arrays) or a batch's trees ([B, N]). Built from tokens and parents (the rest
-    defaults, the ancestors derived and the parents checked), or by a builder with every array given."""
+    """One tree ([N] arrays) or a batch's trees ([B, N]). One tree is built from tokens and parents (the
+    rest defaults, the ancestors derived and the parents checked); a batch by `stack`, `roots` or a
+    builder, with every array given."""
 
     tokens: np.ndarray  # [(B,) N] int64
     parents: np.ndarray  # [(B,) N] int64: -1 at the root and at padding nodes
@@ -51,9 +52,9 @@ class DraftTree:
         if self.sizes is None:
             setter(self, "sizes", np.asarray(tokens.shape[-1]) if tokens.ndim == 1 else np.full(len(tokens), tokens.shape[-1]))
         if self.ancestors is None:
-            rows = parents[None] if parents.ndim == 1 else parents
-            masks = np.stack([_ancestors(row) for row in rows])  # [B, N, N]
-            setter(self, "ancestors", masks[0] if parents.ndim == 1 else masks)
+            if tokens.ndim == 2:
+                raise ValueError("a batch's trees come with their ancestors: build it with DraftTree.stack")
+            setter(self, "ancestors", _ancestors(parents))
 
     def __len__(self) -> int:
         """A batch's rows, or one tree's nodes (the arrays' first axis)."""
