@@ -43,6 +43,7 @@ class CompiledStep:
     run: Callable  # the lowered step (a registry Step: EagerStep, InductorStep, CudaGraphStep, ...): run(ids, layout)
     draft: Callable | None  # the lowered draft graph (ir.draft), if the pipeline adds one: draft.run_graph(inputs)
     resume: Callable | None  # with a cache-sharing draft graph: the lowered resume graph (ir.split)
+    lower_side: Callable  # lowers another graph over the step's tensors as the step was (registry.Lowered)
     graph_module: torch.fx.GraphModule  # the rewritten graph, owner of the KV cache buffers
     report: PassReport
     arch: ArchSpec
@@ -56,15 +57,19 @@ class CompiledStep:
     def input_names(self) -> list[str]:
         return self.run.input_names
 
+    @property
+    def lowering(self) -> str:
+        return self.run.lowering
+
 
 def compile_step(gm: torch.fx.GraphModule, opts: CompileOptions) -> CompiledStep:
     """Run the pipeline on a captured step (verified after every pass) and lower it."""
     pipeline = opts.pipeline_for(arch_of(gm))
     rewritten, report = pipeline.run(gm)
     max_nodes = pipeline.largest_tree()
-    run, draft, resume = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes,
-                               rewritten.k_cache.shape[3])  # fmt: skip
-    return CompiledStep(run, draft, resume, rewritten, report, arch_of(rewritten), max_nodes, pipeline)
+    run, draft, resume, lower_side = lower(rewritten, opts.lowering, rewritten.k_cache.device, max_nodes,
+                                           rewritten.k_cache.shape[3])  # fmt: skip
+    return CompiledStep(run, draft, resume, lower_side, rewritten, report, arch_of(rewritten), max_nodes, pipeline)
 
 
 def check_dynamo_graph(gm: torch.fx.GraphModule) -> None:

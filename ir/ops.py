@@ -4,7 +4,8 @@ Rewrites and the verifier find them by target (`ir.query`): a sliding-window lay
 `sliding_window_visibility(base mask, positions, window)` over the step's one shared mask, and a
 soft-capped attention is `softcapped_attention(...)` and an attention with sinks `sink_attention(...)`
 where other layers call SDPA; a layer's K and V go into the cache through `write_cache(cache, slots, new)`.
-A sparse-attention rewrite (rewrites.sparse_attention) adds `select_slots(...)` and `selected_attention(...)`.
+A sparse-attention rewrite (rewrites.sparse_attention) adds `select_slots(...)` and `selected_attention(...)`;
+a prefill-pruning rewrite (rewrites.lazy_llm) restricts a layer's mask by `pruned_visibility(...)`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ def sliding_window_visibility(mask: torch.Tensor, positions: torch.Tensor, windo
     key_slots = torch.arange(mask.shape[-1], device=positions.device)  # [S]
     inside = key_slots[None, None, :] > positions[:, :, None] - window  # [B, T, S]
     return mask & inside.unsqueeze(1)  # [B, 1, T, S]
+
+
+def pruned_visibility(mask: torch.Tensor, pruned: torch.Tensor, stage: int) -> torch.Tensor:
+    """A layer's mask with the slots its stage pruned hidden: `mask` [B, 1, T, S] bool, `pruned`
+    [stages, B_max, S_max] bool (slots whose tokens were pruned at or below the stage's first layer:
+    they have no keys in this layer)."""
+    batch, slots = mask.shape[0], mask.shape[-1]
+    return mask & ~pruned[stage, :batch, None, None, :slots]  # [B, 1, T, S]
 
 
 def softcapped_attention(q, k, v, attn_mask, scale: float, softcap: float):

@@ -13,7 +13,8 @@ import operator
 import torch
 import torch.fx
 
-from .ops import selected_attention, sink_attention, sliding_window_visibility, softcapped_attention, write_cache
+from .ops import (pruned_visibility, selected_attention, sink_attention, sliding_window_visibility, softcapped_attention,
+                  write_cache)
 from .roles import Role, info, nodes_with_role
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -32,10 +33,13 @@ def is_sharded(graph: torch.fx.Graph) -> bool:
     return any(n.op == "call_function" and "_c10d_functional" in str(n.target) for n in graph.nodes)
 
 
+RESTRICTIONS = (sliding_window_visibility, pruned_visibility)  # a layer's restrictions of the shared mask
+
+
 def base_mask(mask: torch.fx.Node | None) -> torch.fx.Node | None:
-    """The mask under a sliding-window layer's restriction (`ir.ops.sliding_window_visibility`), or
-    `mask` itself: the slot-layout mask that rewrites replace."""
-    while mask is not None and mask.op == "call_function" and mask.target is sliding_window_visibility:
+    """The mask under a layer's restrictions (`ir.ops.sliding_window_visibility`, `ir.ops.pruned_visibility`),
+    or `mask` itself: the slot-layout mask that rewrites replace."""
+    while mask is not None and mask.op == "call_function" and mask.target in RESTRICTIONS:
         mask = mask.args[0]
     return mask
 

@@ -33,6 +33,10 @@ class LoweredStep(Protocol):
     graph_module: torch.fx.GraphModule  # the rewritten step, owner of the KV cache buffers
     draft: LoweredGraph | None  # the lowered draft graph (ir.draft), when the pipeline has one
     resume: LoweredGraph | None  # the lowered resume graph (ir.split), with a cache-sharing draft graph
+    lowering: str  # the lowering's name (backends.lowering.registry.LOWERINGS)
+
+    def lower_side(self, gm: torch.fx.GraphModule) -> LoweredGraph:
+        """`gm`, a graph over the step's tensors, lowered as the step's side graphs are."""
 
 
 class RuntimeHook:
@@ -50,6 +54,12 @@ class RuntimeHook:
         """The verify forward run from states the drafters computed for every node of every row
         (precomputed [B, T, H]: a self-draft's states below its exit): logits [B, T, V], hidden [B, T, H],
         as the step's forward gives them; None: this hook cannot, the step's own forward runs."""
+        return None
+
+    def prefill_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A forward of prompt tokens [B, T] (a chain per row, backends.runtime.decode.feed) run by this
+        hook: logits [B, T, V], hidden [B, T, H] as the step's forward gives them; None: the step's own
+        forward runs (a prefill-pruning rewrite's prefill graph, rewrites.lazy_llm)."""
         return None
 
     def after_commit(self, layout: SlotLayout, paths: Sequence[Sequence[int]], committed: list[int]) -> list[int]:
@@ -106,6 +116,9 @@ class RuntimeHooks(RuntimeHook):
     def resumed_forward(self, layout, precomputed):
         return next((out for hook in self.hooks if (out := hook.resumed_forward(layout, precomputed)) is not None),
                     None)  # fmt: skip
+
+    def prefill_forward(self, tokens, layout):
+        return next((out for hook in self.hooks if (out := hook.prefill_forward(tokens, layout)) is not None), None)
 
     def after_commit(self, layout, paths, committed):
         return self._chain(lambda hook, value: hook.after_commit(layout, paths, value), committed)

@@ -27,7 +27,7 @@ def test_every_registered_architecture_has_a_tiny_config():
 def test_tree_verification_equals_hf_on_every_branch(arch):
     model = tiny_model(arch, seed=1)
     gm, _ = specpass.Pipeline(TreeAttention(8)).run(capture(model, cache_size=64))
-    step, _, _ = lower(gm, "eager", torch.device("cpu"), 8, 64)
+    step = lower(gm, "eager", torch.device("cpu"), 8, 64).step
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
     step(prompt, SlotLayout.chain(0, 20))
     tree = DraftTree((5, 17, 33, 41, 2, 8, 60), PARENTS, (1.0,) * 7, (None,) * 7)

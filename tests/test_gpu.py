@@ -21,8 +21,8 @@ def test_cuda_graph_step_equals_eager_step(lowering):
     device and on the host (what the decode loop passes: padded on the host, copied once)."""
     model = tiny_model("llama").cuda()
     gm, _ = specpass.Pipeline(specpass.rewrites.TreeAttention(16)).run(capture(model, cache_size=512))
-    eager, _, _ = lower(gm, "eager", torch.device("cuda"), 16, 512)
-    graphed, _, _ = lower(gm, lowering, torch.device("cuda"), 16, 512)
+    eager = lower(gm, "eager", torch.device("cuda"), 16, 512).step
+    graphed = lower(gm, lowering, torch.device("cuda"), 16, 512).step
     assert graphed.lowering == lowering
     prompt = torch.randint(0, 96, (1, 40), device="cuda")
     for step in (eager, graphed):  # same prefill in both

@@ -118,7 +118,7 @@ def test_inductor_step_equals_eager_step():
     expected_cache = gm.k_cache.clone()
     gm.k_cache.zero_()
     gm.v_cache.zero_()
-    step, _, _ = lower(gm, "inductor", torch.device("cpu"), 16, 128)
+    step = lower(gm, "inductor", torch.device("cpu"), 16, 128).step
     assert step.lowering == "inductor"
     torch.testing.assert_close(_run_prefix_and_tree(step), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gm.k_cache, expected_cache, rtol=1e-5, atol=1e-5)
@@ -158,7 +158,7 @@ def test_padding_to_a_bucket_leaves_the_real_nodes_and_the_cache_unchanged(tree_
     model = tiny_model("llama")
     pipeline = specpass.Pipeline(specpass.rewrites.TreeAttention(16)) if tree_step else specpass.Pipeline()
     gm, _ = pipeline.run(capture(model, cache_size=128))
-    step, _, _ = lower(gm, "eager", torch.device("cpu"), 16, 128)
+    step = lower(gm, "eager", torch.device("cpu"), 16, 128).step
     step(torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(2)), SlotLayout.chain(0, 30))
     prefix = gm.k_cache[:, :, :, :30].clone()
     tree = DraftTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 3), (1.0,) * 5, (None,) * 5)

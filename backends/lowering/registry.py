@@ -13,9 +13,10 @@ check and `auto`'s choice are all read from the registry."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.fx
@@ -149,14 +150,22 @@ def resolve_lowering(lowering: str, device: torch.device, dtype: torch.dtype) ->
     return "onednn" if onednn.available(device, dtype) else "eager"
 
 
-def lower(
-    gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int
-) -> tuple[Step, EagerStep | CudaGraphDraft | None, EagerStep | None]:
-    """(the lowered verify step, the lowered draft graph or None, the lowered resume graph or None).
-    The side graphs (ir.draft) run eagerly on the same lowering's kernels: on oneDNN-packed weights
-    where the step's are (sharing them: its LM head, and for a resume graph its layers), and on the
-    GGUF planes where the lowering reads them. On a GPU, where the verify step replays CUDA graphs, a
-    draft graph called by rows replays too, bucketed by its named sizes (backends.lowering.draft_buckets)."""
+class Lowered(NamedTuple):
+    """A rewritten step lowered: the verify step, its side graphs (ir.draft), and how to lower another
+    graph over the step's tensors the same way (a runtime hook's own graph: rewrites.lazy_llm's prefill)."""
+
+    step: Step
+    draft: EagerStep | CudaGraphDraft | None
+    resume: EagerStep | None
+    lower_side: Callable[[torch.fx.GraphModule], EagerStep]
+
+
+def lower(gm: torch.fx.GraphModule, lowering: str, device: torch.device, max_nodes: int, cache_size: int) -> Lowered:
+    """The verify step, the lowered draft graph or None, the lowered resume graph or None, and the side
+    lowering. Side graphs run eagerly on the same lowering's kernels: on oneDNN-packed weights where the
+    step's are (sharing them: its LM head, and for a resume graph its layers), and on the GGUF planes
+    where the lowering reads them. On a GPU, where the verify step replays CUDA graphs, a draft graph
+    called by rows replays too, bucketed by its named sizes (backends.lowering.draft_buckets)."""
     name = resolve_lowering(lowering, device, gm.k_cache.dtype)
     if name not in LOWERINGS:
         raise InvalidParameterError(f"unknown lowering {name!r}; known: {AUTO}, {', '.join(LOWERINGS)}")
@@ -165,11 +174,12 @@ def lower(
     ctx = BuildContext(device, max_nodes, cache_size, packed={} if packs else None,
                        planes=gguf_planes(gm) if reads_gguf else {})  # fmt: skip
     step = LOWERINGS[name].build(gm, ctx)
+    lower_side = functools.partial(_lower_side, ctx=ctx, lowering=name)
     draft, resume = (_lower_side(g, ctx, name) for g in (draft_graph(gm), resume_graph(gm)))
     spec = draft_spec(gm)
     if draft is not None and device.type == "cuda" and not spec.shares_cache and LOWERINGS[name].replays:
         draft = CudaGraphDraft(draft, spec)  # a draft by rows replays too (a cache-sharing one runs as a step)
-    return step, draft, resume
+    return Lowered(step, draft, resume, lower_side)
 
 
 def _lower_side(graph: torch.fx.GraphModule | None, ctx: BuildContext, lowering: str) -> EagerStep | None:

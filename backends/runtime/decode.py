@@ -202,7 +202,7 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
                                 for c, n in zip(cursors, counts)])  # fmt: skip
         tokens = layout.pad_tokens([torch.tensor(list(p[f : f + max(n, 0)]) or [0], dtype=torch.long)
                                     for p, f, n in zip(prompts, fed, counts)])  # fmt: skip  [B, T]
-        logits, hidden = program.forward(tokens, layout)  # [B, T, V], [B, T, H]
+        logits, hidden = program.hooks.prefill_forward(tokens, layout) or program.forward(tokens, layout)  # [B, T, V], [B, T, H]
         committed = program.commit(layout, [range(max(n, 0)) for n in counts])  # a chain: nothing moves
         for b, (c, n) in enumerate(zip(cursors, counts)):
             if n > 0:
