@@ -8,8 +8,9 @@ one sequence per length, its first L tokens the prompt and the next 256 the cont
 configuration is a fresh program (float32, the `auto` lowering, one token a step): its prompt goes
 through the decode loop's prefill (pieces of what the logits budget allows), timed twice (best of
 two); the continuation is fed one token a step (perplexity); 64 greedy tokens are compared with the
-full prefill's. Passkey: `long_context.passkey_prompt`, 5 depths x 1 seed. "keep-all" is LazyLLM
-keeping every token: the prefill graph's own cost. Writes lazy-llm-<device>.json and .png.
+full prefill's. "keep-all" is LazyLLM keeping every token (the prefill graph's own cost); "hf" is HF
+generate to its first token on the same prompt. Passkey: `long_context.passkey_prompt`, 5 depths x 1
+seed. Writes lazy-llm-<device>.json and .png.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def run(lengths: list[int], passkey_length: int, out_dir: str) -> dict:
         text = library_sequences(tokenizer, length + CONTINUATION, 1)[0]
         prompt, continuation = text[:length].tolist(), text[length:].tolist()
         reference = None
+        hf = []
+        for _ in range(2):  # HF's own prefill (its generate to the first token), the same prompt
+            started = time.perf_counter()
+            with torch.no_grad():
+                model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
+            hf.append(round(time.perf_counter() - started, 3))
+        rows.append({"length": length, "config": "hf", "ttft_seconds": hf, "ttft_best": min(hf)})
+        print(rows[-1], flush=True)
         for name, passes in CONFIGS.items():
             program = _program(model, passes, length + CONTINUATION + 8)
             out = specpass.generate(program, torch.tensor([prompt]), GREEDY if name in MEASURED else 1, eos_token_id=[])
@@ -108,8 +117,8 @@ def _plot(rows: list[dict], path: str, device: str) -> None:
 
     lengths = sorted({r["length"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(CONFIGS)
-    for i, name in enumerate(CONFIGS):
+    width = 0.8 / (len(CONFIGS) + 1)
+    for i, name in enumerate(["hf", *CONFIGS]):
         best = [next(r["ttft_best"] for r in rows if r["length"] == n and r["config"] == name) for n in lengths]
         ax.bar([j + i * width for j in range(len(lengths))], best, width, label=name)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [str(n) for n in lengths])
