@@ -279,9 +279,9 @@ def test_the_default_model_is_one_function_float32_bfloat16_and_on_its_gguf_bloc
     model, tokenizer = default_model
     prompts = [tokenizer(text, return_tensors="pt").input_ids[0] for text in
                ("def fibonacci(n):\n    if n < 2:\n        return n\n    return", "The capital of France is Paris. The capital of")]  # fmt: skip
-    _assert_one_function(model, {}, prompts, 32, monkeypatch)
+    _assert_one_function(model, {}, prompts, 24, monkeypatch)
     bfloat16, _ = specpass.load_default_model(dtype=torch.bfloat16)
-    _assert_one_function(bfloat16, {}, prompts[:1], 24, monkeypatch)
+    _assert_one_function(bfloat16, {}, prompts[:1], 16, monkeypatch)
     gguf = {"lowering": "gguf"}
-    _assert_one_function(model, gguf, prompts[:1], 32, monkeypatch)
-    _assert_one_function(model, gguf, prompts[:1], 32, monkeypatch, do_sample=True, temperature=0.8, seed=5)
+    _assert_one_function(model, gguf, prompts[:1], 24, monkeypatch)
+    _assert_one_function(model, gguf, prompts[:1], 24, monkeypatch, do_sample=True, temperature=0.8, seed=5)
