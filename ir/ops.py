@@ -26,9 +26,9 @@ def sliding_window_visibility(mask: torch.Tensor, positions: torch.Tensor, windo
 
 
 def pruned_visibility(mask: torch.Tensor, pruned: torch.Tensor, stage: int) -> torch.Tensor:
-    """A layer's mask with the slots its stage pruned hidden: `mask` [B, 1, T, S] bool, `pruned`
-    [stages, B_max, S_max] bool (slots whose tokens were pruned at or below the stage's first layer:
-    they have no keys in this layer)."""
+    """A layer's mask with its stage's pruned slots hidden: `mask` [B, 1, T, S] bool, `pruned`
+    [stages, B_max, S_max] bool (row `stage`: the slots whose tokens were pruned at this stage's pruning
+    layer or an earlier one; they have no keys in this layer)."""
     batch, slots = mask.shape[0], mask.shape[-1]
     return mask & ~pruned[stage, :batch, None, None, :slots]  # [B, 1, T, S]
 

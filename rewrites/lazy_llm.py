@@ -359,6 +359,9 @@ class LazyPrefill(RuntimeHook):
     def new_sequence(self) -> None:
         self.pruned.zero_()
 
+    def state_bytes(self) -> int:
+        return self.pruned.numel() * self.pruned.element_size()
+
     @torch.no_grad()
     def prefill_forward(self, tokens: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.pruned.device

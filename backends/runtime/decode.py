@@ -189,8 +189,9 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
     """Run row b's tokens prompts[b] as a chain in cache row b and commit them, in forwards of at most
     `piece` tokens a row and the room an evicting cache leaves (the same cache as one token at a time:
     rewrites.kv_eviction); a row whose tokens are done runs one padding token meanwhile (at its next
-    slot, not committed). Yields each forward's logits [B, T, V], hidden [B, T, H] and each row's
-    number of real tokens in it (0: padding only). A first forward drops per-sequence cache state."""
+    slot, not committed); a hook may run a forward itself (RuntimeHook.prefill_forward: rewrites.lazy_llm).
+    Yields each forward's logits [B, T, V], hidden [B, T, H] and each row's number of real tokens in it
+    (0: padding only). A first forward drops per-sequence cache state."""
     if all(c.seen == 0 for c in cursors):
         program.hooks.new_sequence()
     fed = [0] * len(prompts)
@@ -202,7 +203,8 @@ def feed(program: DecodeProgram, prompts: Sequence[Sequence[int]], cursors: Sequ
                                 for c, n in zip(cursors, counts)])  # fmt: skip
         tokens = layout.pad_tokens([torch.tensor(list(p[f : f + max(n, 0)]) or [0], dtype=torch.long)
                                     for p, f, n in zip(prompts, fed, counts)])  # fmt: skip  [B, T]
-        logits, hidden = program.hooks.prefill_forward(tokens, layout) or program.forward(tokens, layout)  # [B, T, V], [B, T, H]
+        prefilled = program.hooks.prefill_forward(tokens, layout)  # a hook's own prompt forward, or None
+        logits, hidden = prefilled or program.forward(tokens, layout)  # [B, T, V], [B, T, H]
         committed = program.commit(layout, [range(max(n, 0)) for n in counts])  # a chain: nothing moves
         for b, (c, n) in enumerate(zip(cursors, counts)):
             if n > 0:
