@@ -36,7 +36,7 @@ from ..ir import arch_of, copy_step, query
 from ..ir.draft import DRAFT_STATES, STEP_OUTPUTS_META, resume_graph
 from ..ir.layout import SlotLayout
 from ..ir.ops import pruned_visibility, selected_attention
-from ..ir.roles import META_KEY, Role, annotate, info
+from ..ir.roles import META_KEY, Role, annotate, info, placeholder
 from ..passes.base import CAPTURED, Pass, PassResult
 from ..passes.runtime import LoweredStep, RuntimeHook
 from .kv_eviction.base import EVICTION_META
@@ -293,7 +293,7 @@ def prefill_graph(gm: torch.fx.GraphModule, lazy: LazyLLM) -> tuple[torch.fx.Gra
     layers = lazy.pruning_layers(arch_of(gm).num_layers)
     attention = query.attention_ops(graph)
     reads = _outside_reads(graph, layers[0])
-    piece = own = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "cache_slots")  # [B, T]
+    piece = own = placeholder(graph, "cache_slots")  # [B, T]
     kept, streams = [], []  # per stage: kept indices into the piece [B, n_s]; the stream entering the stage
     for first, share in zip(layers, lazy.keep):
         live = _live_ins(graph, first)
