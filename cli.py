@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="input lengths in tokens for perplexity and agreement (default 2048 4096 8192; none: skip)")
     kv.add_argument("--budgets", type=float, nargs="+", help="cache budgets, fractions of the length (0.1 0.25 0.5)")
     kv.add_argument("--policies", nargs="+", help="(default: window sinks-window h2o a2sf tova snapkv keyformer "
-                                                  "tidal-decode token-select)")
+                                                  "ems tidal-decode token-select)")
     kv.add_argument("--passkey-lengths", type=_positive_int, nargs="*", help="(default: --lengths)")
     kv.add_argument("--passkey-budgets", type=float, nargs="*", help="(default: --budgets)")
     kv.add_argument("--passkey-seeds", type=_positive_int, default=20)

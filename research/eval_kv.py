@@ -36,7 +36,7 @@ from ..backends.runtime.program import SpeculativeProgram
 from ..drafters.registry import drafter_by_name
 from .long_context import library_sequences, passkey_prompt
 from ..passes import Pipeline
-from ..rewrites import A2SF, H2O, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV, TidalDecode, TokenSelect, TreeAttention, TrimKV
+from ..rewrites import A2SF, EMS, H2O, TOVA, Keyformer, KVEviction, SinksWindow, SnapKV, TidalDecode, TokenSelect, TreeAttention, TrimKV
 
 POLICIES = {
     "window": lambda budget, chunk: SinksWindow(budget, chunk, sinks=0),  # no sinks: StreamingLLM's collapse
@@ -46,6 +46,7 @@ POLICIES = {
     "tova": TOVA,
     "snapkv": SnapKV,
     "keyformer": Keyformer,
+    "ems": EMS,
     "tidal-decode": lambda budget, chunk: TidalDecode(budget),  # budget: slots a sparse layer attends to
     "token-select": lambda budget, chunk: TokenSelect(budget),
 }

@@ -17,7 +17,12 @@ chunk, kept, the protected slots, decay, temperature, window, kernel), and Keyfo
   softmax of the logits plus Gumbel noise at `temperature`; SnapKV ranks, at each eviction, by the
   last `window` tokens' attention summed and averaged over `kernel` neighbouring slots. TrimKV scores
   a token once, when it is created: its gates' log retention (from the layer's normed input), and ranks
-  by log retention times (next position - its position).
+  by log retention times (next position - its position). EMS sums like H2O and ranks by that sum
+  and the window's attention (SnapKV's, unpooled), each divided by its total over the head's tokens.
+- EMS merges: each token not kept joins the kept token whose key, centred on the mean of the head's
+  held keys, is nearest by cosine similarity, if that similarity reaches `similarity`; a kept token
+  with members becomes their priority-weighted mean key and value, with their summed score; the
+  rest are dropped. A merged token's key and value replace its own from then on.
 - Positions stay the original ones (rotary at each token's own position).
 """
 
@@ -26,7 +31,7 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specpass.rewrites import A2SF, H2O, TOVA, Keyformer, SinksWindow, SnapKV, TrimKV
+from specpass.rewrites import A2SF, EMS, H2O, TOVA, Keyformer, SinksWindow, SnapKV, TrimKV
 from specpass.rewrites.kv_eviction.scores import gumbel_noise
 
 
@@ -42,6 +47,14 @@ class _Cache:
         self.scores: list[dict[int, torch.Tensor]] = [{} for _ in range(kv_heads)]
         self.scale = 1.0  # the attention's softmax scale (set by the forward)
         self.retention: dict[int, torch.Tensor] = {}  # TrimKV: position -> log retention [KV]
+        self.merged: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(kv_heads)]  # EMS
+
+    def key(self, kv_head: int, position: int) -> torch.Tensor:
+        """[D]: the key the head holds for the token (merged, if it absorbed others)."""
+        return self.merged[kv_head].get(position, (self.keys[position][kv_head],))[0]
+
+    def value(self, kv_head: int, position: int) -> torch.Tensor:
+        return self.merged[kv_head].get(position, (None, self.values[position][kv_head]))[1]
 
 
 @torch.no_grad()
@@ -85,8 +98,8 @@ def _forward(model, caches: list[_Cache], token: int, position: int, policy, gro
         outputs = []
         for kv_head, held in enumerate(cache.held):
             held.append(position)  # a token sees itself
-            keys = torch.stack([cache.keys[p][kv_head] for p in held])  # [S, D]
-            values = torch.stack([cache.values[p][kv_head] for p in held])  # [S, D]
+            keys = torch.stack([cache.key(kv_head, p) for p in held])  # [S, D]
+            values = torch.stack([cache.value(kv_head, p) for p in held])  # [S, D]
             heads = range(kv_head * group, (kv_head + 1) * group)  # HF's repeat_kv order
             logits = torch.stack([keys @ q[0, j, 0] * attention.scaling for j in heads])  # [G, S]
             outputs += list(logits.softmax(-1) @ values)  # G x [D]
@@ -114,7 +127,7 @@ def _score(policy, cache: _Cache, layer: int, kv_head: int, logits: torch.Tensor
             scores[p] = probs[slot]
         elif isinstance(policy, A2SF):
             scores[p] = policy.decay * old + probs[slot]
-        else:  # H2O, Keyformer
+        else:  # H2O, Keyformer, EMS
             scores[p] = old + probs[slot]
 
 
@@ -125,6 +138,8 @@ def _evict(policy, cache: _Cache, layer: int, group: int) -> None:
     for kv_head, (held, priority) in enumerate(zip(list(cache.held), priorities)):
         free = sorted((s for s in range(policy.budget) if s not in protected), key=lambda s: -float(priority[s]))
         keep = sorted(protected + free[: policy.kept - len(protected)])
+        if isinstance(policy, EMS):
+            _merge(policy, cache, kv_head, keep, priority)
         cache.held[kv_head] = [held[s] for s in keep]
         cache.scores[kv_head] = {held[s]: cache.scores[kv_head][held[s]] for s in keep if held[s] in cache.scores[kv_head]}
 
@@ -136,14 +151,17 @@ def _priority(policy, cache: _Cache, kv_head: int, group: int) -> torch.Tensor:
         return torch.zeros(len(held))
     if isinstance(policy, TOVA):  # one choice for the layer: every KV head holds the same tokens
         return torch.stack([torch.stack([cache.scores[h][p] for p in cache.held[h]]) for h in range(len(cache.held))]).mean(0)
-    if isinstance(policy, SnapKV):
-        keys = torch.stack([cache.keys[p][kv_head] for p in held])  # [S, D]
+    if isinstance(policy, (SnapKV, EMS)):
+        keys = torch.stack([cache.key(kv_head, p) for p in held])  # [S, D]
         first = len(held) - policy.window  # the window's tokens are the last `window` held
         attention = torch.zeros(len(held))
         for i, p in enumerate(held[first:]):
             for j in range(kv_head * group, (kv_head + 1) * group):
                 seen = first + i + 1
                 attention[:seen] += (keys[:seen] @ cache.queries[p][j] * cache.scale).softmax(-1) / group
+        if isinstance(policy, EMS):
+            accumulated = torch.stack([cache.scores[kv_head][p] for p in held])
+            return accumulated / accumulated.sum() + attention / attention.sum()
         half = policy.kernel // 2
         return torch.stack([attention[max(0, s - half) : s + half + 1].mean() for s in range(len(held))])
     if isinstance(policy, TrimKV):
@@ -151,3 +169,26 @@ def _priority(policy, cache: _Cache, kv_head: int, group: int) -> torch.Tensor:
         return torch.stack([cache.retention[p][kv_head] * (now - p) for p in held])
     assert isinstance(policy, (H2O, A2SF, Keyformer))
     return torch.stack([cache.scores[kv_head][p] for p in held])
+
+
+def _merge(policy, cache: _Cache, kv_head: int, keep: list[int], priority: torch.Tensor) -> None:
+    """EMS: fold the head's tokens not in `keep` (slots) into their nearest kept token or drop them."""
+    held, scores = cache.held[kv_head], cache.scores[kv_head]
+    keys = torch.stack([cache.key(kv_head, p) for p in held])  # [S, D]
+    centred = keys - keys.mean(0)
+    members: dict[int, list[int]] = {s: [s] for s in keep}
+    for s in range(len(held)):
+        if s in members:
+            continue
+        similarity = {c: float(centred[s] @ centred[c] / (centred[s].norm() * centred[c].norm())) for c in keep}
+        nearest = max(keep, key=lambda c: similarity[c])
+        if similarity[nearest] >= policy.similarity:
+            members[nearest].append(s)
+    for c, group in members.items():
+        if len(group) == 1:
+            continue
+        weights = torch.stack([priority[s] for s in group])  # [m]
+        mean = lambda rows: (weights[:, None] * torch.stack(rows)).sum(0) / weights.sum()  # noqa: E731
+        cache.merged[kv_head][held[c]] = (mean([cache.key(kv_head, held[s]) for s in group]),
+                                          mean([cache.value(kv_head, held[s]) for s in group]))  # fmt: skip
+        scores[held[c]] = sum(scores[held[s]] for s in group)

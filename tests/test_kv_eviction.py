@@ -16,13 +16,15 @@ from specpass.drafters.registry import drafter_by_name
 from specpass.common.errors import GraphVerificationError, InvalidParameterError, PassMismatchError, PassPipelineError
 from specpass.ir import capture
 from specpass.ir.draft import EVICT_MODULE, OBSERVE_MODULE
-from specpass.rewrites import A2SF, H2O, TOVA, EarlyExit, Keyformer, KVEviction, SinksWindow, SnapKV, TreeAttention
+from specpass.rewrites import A2SF, EMS, H2O, TOVA, EarlyExit, Keyformer, KVEviction, SinksWindow, SnapKV, TreeAttention
 from specpass.rewrites.kv_eviction import ops, scores
 
-POLICIES = (SinksWindow, H2O, A2SF, TOVA, SnapKV, Keyformer)
+POLICIES = (SinksWindow, H2O, A2SF, TOVA, SnapKV, Keyformer, EMS)
 
 
 def _policy(cls, budget, chunk):
+    if cls is EMS:  # a low similarity: the tiny models' keys merge often enough to change tokens
+        return EMS(budget, chunk, window=4, similarity=0.5)
     return cls(budget, chunk, window=4) if cls is SnapKV else cls(budget, chunk)
 
 
@@ -80,7 +82,7 @@ def test_gumbel_noise_is_deterministic_and_gumbel_distributed():
     assert abs(noise.var().item() - torch.pi**2 / 6) < 0.05
 
 
-def _snapkv_rank(policy, window: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def _snapkv_rank(policy, window: torch.Tensor, keys: torch.Tensor, scale: float, kernel: int | None = None) -> torch.Tensor:
     """SnapKV's priority by loops: window [H, W, D] (the queries of the last W slots), keys [KV, S, D] ->
     [KV, S]: each window query's softmax over the slots it saw, averaged over the KV head's query heads,
     summed over the window, then averaged over the `kernel` neighbours inside the cache."""
@@ -92,7 +94,7 @@ def _snapkv_rank(policy, window: torch.Tensor, keys: torch.Tensor, scale: float)
         for j in range(w):
             seen = first + j + 1  # a query sees its own slot and every slot before it
             attention[h // group, :seen] += ((keys[h // group, :seen] @ window[h, j]) * scale).softmax(0) / group
-    half = policy.kernel // 2
+    half = (policy.kernel if kernel is None else kernel) // 2
     return torch.stack([attention[:, max(0, s - half) : s + half + 1].mean(1) for s in range(slots)], dim=1)
 
 
@@ -131,6 +133,47 @@ def test_the_evict_graph_keeps_the_brute_force_selection(policy):
                 kept_scores = before["kv_scores"][layer, 0, head, keep]
                 torch.testing.assert_close(buffers["kv_scores"][layer, 0, head, :8], kept_scores)
                 assert not buffers["kv_scores"][layer, 0, head, 8:].any()
+
+
+def test_the_ems_evict_graph_ranks_by_the_global_local_score_and_merges_or_drops_the_rest():
+    """EMS by loops: priority = accumulated scores / their sum + window attention / its sum; the window
+    and the best stay; every other slot joins its nearest kept slot (cosine of centred keys) at or
+    above the similarity, else is dropped; a kept slot with members holds their priority-weighted
+    means and summed score, one without keeps its bits."""
+    gen = torch.Generator().manual_seed(4)
+    layers, kv, heads, d, scales, policy = 2, 3, 6, 4, (0.5, 0.7), EMS(12, 4, window=3, similarity=0.4)
+    buffers = {"k_cache": torch.randn(layers, 1, kv, 12, d, generator=gen),
+               "v_cache": torch.randn(layers, 1, kv, 12, d, generator=gen),
+               "kv_queries": torch.zeros(layers, 1, kv, 4, d),
+               "kv_scores": torch.rand(layers, 1, kv, 12, generator=gen) + 0.1,
+               "kv_window_queries": torch.randn(layers, 1, heads, 3, d, generator=gen)}  # fmt: skip
+    before = {name: t.clone() for name, t in buffers.items()}
+    ops.trace(ops.Evict(policy, buffers, scales))()
+    merged = dropped = 0
+    for layer in range(layers):
+        local = _snapkv_rank(policy, before["kv_window_queries"][layer, 0], before["k_cache"][layer, 0], scales[layer], kernel=1)
+        for head in range(kv):
+            score, key, value = (before[name][layer, 0, head] for name in ("kv_scores", "k_cache", "v_cache"))
+            rank = score / score.sum() + local[head] / local[head].sum()
+            keep = sorted([9, 10, 11] + sorted(range(9), key=lambda s: -rank[s])[:5])
+            centred = key - key.mean(0)
+            cosine = lambda a, b: float(centred[a] @ centred[b] / (centred[a].norm() * centred[b].norm()))  # noqa: E731
+            members = {c: [c] for c in keep}
+            for s in set(range(12)) - set(keep):
+                nearest = max(keep, key=lambda c: cosine(s, c))
+                if cosine(s, nearest) >= policy.similarity:
+                    members[nearest].append(s)
+                    merged += 1
+                else:
+                    dropped += 1
+            for i, c in enumerate(keep):
+                w = rank[members[c]]
+                for name, rows in (("k_cache", key), ("v_cache", value)):
+                    want = rows[c] if len(members[c]) == 1 else (w[:, None] * rows[members[c]]).sum(0) / w.sum()
+                    torch.testing.assert_close(buffers[name][layer, 0, head, i], want)
+                torch.testing.assert_close(buffers["kv_scores"][layer, 0, head, i], score[members[c]].sum())
+            assert not buffers["kv_scores"][layer, 0, head, 8:].any()
+    assert merged > 0 and dropped > 0  # both branches ran
 
 
 # ---- the pass: graph, refusals, verification ---------------------------------------------------
@@ -172,7 +215,10 @@ def test_the_pass_refuses_where_it_must_not_apply():
                          (lambda: H2O(16, 8, recent=9), "9 protected slots do not fit the 8 slots kept"),
                          (lambda: SnapKV(16, 8, kernel=4), "must be odd"),
                          (lambda: A2SF(16, 8, decay=1.5), "decay must be a float in"),
-                         (lambda: Keyformer(16, 8, temperature=0.0), "positive float")]:  # fmt: skip
+                         (lambda: Keyformer(16, 8, temperature=0.0), "positive float"),
+                         (lambda: EMS(16, 8, similarity=1), "similarity must be a float in"),
+                         (lambda: EMS(16, 8, similarity=1.5), "similarity must be a float in"),
+                         (lambda: EMS(16, 8), "16 protected slots do not fit the 8 slots kept")]:  # fmt: skip
         with pytest.raises(InvalidParameterError, match=message):
             bad()
 

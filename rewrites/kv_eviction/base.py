@@ -1,6 +1,6 @@
 """KV-cache eviction as a graph rewrite: the pass every policy (policies.py) shares.
 
-Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer, TRIM-KV. The cache holds at most `budget` tokens
+Papers: StreamingLLM (sinks), H2O, A2SF, TOVA, SnapKV, Keyformer, TRIM-KV, EMS. The cache holds at most `budget` tokens
 per layer and KV head (the K/V buffers are cut to `budget` slots); when the committed tokens fill it, the
 policy keeps `kept = budget - chunk` and the next `chunk` tokens fill the freed slots. Evicting in chunks
 puts evictions at fixed token counts, so any split of the input into steps gives the same cache and
@@ -79,6 +79,7 @@ class KVEviction(Pass):
     window_queries: ClassVar[bool] = False  # keeps the queries of the last `window` tokens (SnapKV)
     gumbel: ClassVar[bool] = False  # Gumbel noise on the scoring logits (Keyformer)
     gated: ClassVar[bool] = False  # tokens scored by learned gates at creation, ranked with their age (TrimKV)
+    merges: ClassVar[bool] = False  # the slots not kept merge into their nearest kept slot (EMS)
 
     def __post_init__(self):
         check_int(self.name, "budget", self.budget, low=2)
@@ -108,10 +109,16 @@ class KVEviction(Pass):
         """New scores [B, KV, S] from the old and the accepted tokens' attention [B, KV, n, S]."""
         raise NotImplementedError
 
-    def priority(self, scores: torch.Tensor, slot_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """What is kept first, from the scores [L, B, KV, S] (and a gated policy's slot positions);
-        ranks per KV head unless overridden."""
-        return scores
+    def priority(self, scores: torch.Tensor | None, slot_positions: torch.Tensor | None = None,
+                 local: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """What is kept first [L, B, KV, S], from the scores [L, B, KV, S] (a gated policy's with its
+        slot positions) or the observation window's attention `local` (SnapKV); ranks per KV head
+        unless overridden."""
+        return scores if scores is not None else local
+
+    def pool(self, attention: torch.Tensor) -> torch.Tensor:
+        """The observation window's attention [B, KV, S] smoothed over neighbouring slots (SnapKV pools)."""
+        return attention
 
     def gates(self) -> torch.nn.Module | None:
         """A gated policy's gate module: gates(layer, x [B, T, hidden]) -> log retention [B, T, KV]."""

@@ -8,7 +8,8 @@ the scores (a gated policy's tokens bring their own log retention, recorded by `
 into kv_retention [L, B, KV, R], and their positions into kv_slot_positions [L, B, KV, budget]);
 rejected nodes never reach it. `kv_evict()` runs when the cache is full: per layer (and KV
 head, where the policy ranks per head) it keeps `budget - chunk` slots, the protected ones, then the
-highest priorities, in sequence order in slots [0, kept), and zeroes the rest of the scores. Their math
+highest priorities, in sequence order in slots [0, kept), and zeroes the rest of the scores (a merging
+policy, EMS, first folds the others into their nearest kept slot: scores.merged_into_kept). Their math
 is pure functions (`observed`, `evicted`), which the graphs call and copy into the buffers and the ONNX
 export exports as they are (rewrites.kv_eviction.export), so every lowering keeps the same slots.
 """
@@ -21,7 +22,7 @@ from torch import nn
 
 from ...ir.draft import EVICT_MODULE, OBSERVE_MODULE
 from ...ir.roles import Role, annotate
-from .scores import accepted_attention, gumbel_noise, keep_slots
+from .scores import accepted_attention, gumbel_noise, keep_slots, merged_into_kept
 
 QUERIES = "kv_queries"
 SCORES = "kv_scores"
@@ -93,21 +94,25 @@ def evicted(
     policy) rank with the scores and move with them. Returns (keys, values, scores), and slot_positions
     where given."""
     kept = policy.kept
-    if slot_positions is not None:
-        priority = policy.priority(scores, slot_positions)  # [L, B, KV, budget]
-    elif scores is not None:
-        priority = policy.priority(scores)  # [L, B, KV, budget]
-    elif window is not None:
-        priority = torch.stack([_window_attention(policy, window[layer], keys[layer], scale)
-                                for layer, scale in enumerate(scales)])  # fmt: skip
+    local = None  # [L, B, KV, budget]: the observation window's attention (SnapKV, EMS)
+    if window is not None:
+        local = torch.stack([_window_attention(policy, window[layer], keys[layer], scale)
+                             for layer, scale in enumerate(scales)])  # fmt: skip
+    if scores is None and local is None:
+        priority = torch.zeros(keys.shape[:4], device=keys.device)  # [L, B, KV, budget]: by position only
     else:
-        priority = torch.zeros(keys.shape[:4], device=keys.device)  # [L, B, KV, budget]
+        priority = policy.priority(scores, slot_positions=slot_positions, local=local)  # [L, B, KV, budget]
     keep = keep_slots(priority, kept, protected)  # [L, B, KV, kept]
-    rows = keep[..., None].expand(-1, -1, -1, -1, keys.shape[-1])  # [L, B, KV, kept, D]
-    keys = torch.cat((keys.gather(3, rows), keys[:, :, :, kept:]), dim=3)
-    values = torch.cat((values.gather(3, rows), values[:, :, :, kept:]), dim=3)
+    if policy.merges:  # EMS: the slots not kept merge into their nearest kept slot or are dropped
+        kept_keys, kept_values, kept_scores = merged_into_kept(keys, values, scores, priority, keep, policy.similarity)
+    else:
+        rows = keep[..., None].expand(-1, -1, -1, -1, keys.shape[-1])  # [L, B, KV, kept, D]
+        kept_keys, kept_values = keys.gather(3, rows), values.gather(3, rows)
+        kept_scores = scores.gather(3, keep) if scores is not None else None
+    keys = torch.cat((kept_keys, keys[:, :, :, kept:]), dim=3)
+    values = torch.cat((kept_values, values[:, :, :, kept:]), dim=3)
     if scores is not None:
-        scores = torch.cat((scores.gather(3, keep), torch.zeros_like(scores[..., kept:])), dim=3)
+        scores = torch.cat((kept_scores, torch.zeros_like(scores[..., kept:])), dim=3)
     if slot_positions is not None:
         slot_positions = torch.cat((slot_positions.gather(3, keep), torch.zeros_like(slot_positions[..., kept:])), dim=3)
         return keys, values, scores, slot_positions
@@ -115,8 +120,8 @@ def evicted(
 
 
 def _window_attention(policy, window: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """SnapKV: one layer's observation-window attention over the full cache, summed over the window
-    and pooled over neighbouring slots. window [B, H, W, D] (the last W slots' queries), keys
+    """SnapKV, EMS: one layer's observation-window attention over the full cache, summed over the
+    window and smoothed by the policy's `pool`. window [B, H, W, D] (the last W slots' queries), keys
     [B, KV, budget, D] -> [B, KV, budget]"""
     first = policy.budget - window.shape[2]
     return policy.pool(accepted_attention(window, keys, first, scale).sum(2))  # [B, KV, W, S] summed

@@ -11,6 +11,7 @@ papers (H2O: half heavy hitters, half recent; SnapKV: pooling kernel 5); Keyform
 | `SnapKV` | the observation window, then the best | the window's attention, pooled, per KV head | SnapKV |
 | `Keyformer` | a recent window, then the key tokens | accumulated Gumbel-softmax attention, per KV head | Keyformer |
 | `TrimKV` | the best | learned log retention times age, per KV head | TRIM-KV |
+| `EMS` | the observation window, then the best; the rest merged or dropped | accumulated + window attention, per KV head | EMS |
 """
 
 from __future__ import annotations
@@ -99,31 +100,42 @@ class TOVA(KVEviction):
     def update(self, scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         return attention[:, :, -1]  # the last accepted token's attention
 
-    def priority(self, scores: torch.Tensor) -> torch.Tensor:
+    def priority(self, scores: torch.Tensor, slot_positions=None, local=None) -> torch.Tensor:
         return scores.mean(2, keepdim=True).expand_as(scores)  # [L, B, KV, S]: the same for every head
 
 
 @dataclass(frozen=True)
-class SnapKV(KVEviction):
-    """SnapKV: the attention of an observation window of the last `window` tokens, pooled over
-    `kernel` neighbouring slots, chooses what is kept; the window itself is always kept. Applied at
-    every eviction (at the prompt's end that is SnapKV's prompt-time selection)."""
+class _ObservationWindow(KVEviction):
+    """A policy that keeps the queries of the last `window` tokens, always keeps those tokens, and
+    ranks at each eviction with the window's attention (SnapKV, EMS)."""
 
     window: int = 16
-    kernel: int = 5
 
-    scored = False
     window_queries = True
 
     def __post_init__(self):
         check_int(self.name, "window", self.window)
-        check_int(self.name, "kernel", self.kernel)
-        if self.kernel % 2 == 0:
-            raise InvalidParameterError(f"SnapKV.kernel must be odd (centred pooling), got {self.kernel}")
         super().__post_init__()
 
     def protected(self, slots: int) -> torch.Tensor:
         return _recent(slots, self.window)
+
+
+@dataclass(frozen=True)
+class SnapKV(_ObservationWindow):
+    """SnapKV: the attention of an observation window of the last `window` tokens, pooled over
+    `kernel` neighbouring slots, chooses what is kept; the window itself is always kept. Applied at
+    every eviction (at the prompt's end that is SnapKV's prompt-time selection)."""
+
+    kernel: int = 5
+
+    scored = False
+
+    def __post_init__(self):
+        check_int(self.name, "kernel", self.kernel)
+        if self.kernel % 2 == 0:
+            raise InvalidParameterError(f"SnapKV.kernel must be odd (centred pooling), got {self.kernel}")
+        super().__post_init__()
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:
         return pooled(scores, self.kernel)
@@ -180,10 +192,37 @@ class TrimKV(KVEviction):
 
         return load_gates(self.gates_directory)
 
-    def priority(self, scores: torch.Tensor, slot_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def priority(self, scores: torch.Tensor, slot_positions: torch.Tensor | None = None, local=None) -> torch.Tensor:
         ages = slot_positions.amax(-1, keepdim=True) + 1 - slot_positions  # [L, B, KV, S]: t - position
         return scores * ages  # log of beta^(t - position)
 
     def export_hook(self, gm, arch, dtype):
         """None: the export does not carry the retention gates' recorded state yet (refused by name)."""
         return None
+
+
+@dataclass(frozen=True)
+class EMS(_ObservationWindow):
+    """EMS, evict-then-merge on a Global-Local score, per KV head. Global: the attention a slot received
+    from every committed token, summed (H2O's); local: the attention of the last `window` tokens
+    (SnapKV's observation window, always kept). Each is normalized to sum to one over the head's slots
+    and the priority is their sum: the accumulated sum favours early tokens (more tokens saw them), the
+    window recent ones. Of the slots not kept, each whose centred key has cosine similarity >=
+    `similarity` with its nearest kept key merges into it (priority-weighted means of keys and values,
+    scores summed); the rest fall to the zero class and are dropped (scores.merged_into_kept). A head
+    with redundant keys merges many, a sparse one evicts: the split adapts per head."""
+
+    similarity: float = 0.9
+
+    merges = True
+
+    def __post_init__(self):
+        if not isinstance(self.similarity, float) or not -1.0 <= self.similarity <= 1.0:
+            raise InvalidParameterError(f"EMS.similarity must be a float in [-1, 1] (a cosine), got {self.similarity!r}")
+        super().__post_init__()
+
+    def update(self, scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        return scores + attention.sum(2)
+
+    def priority(self, scores: torch.Tensor, slot_positions=None, local=None) -> torch.Tensor:
+        return scores / scores.sum(-1, keepdim=True) + local / local.sum(-1, keepdim=True)  # [L, B, KV, S]

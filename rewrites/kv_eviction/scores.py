@@ -69,3 +69,40 @@ def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     b, kv, s = scores.shape
     return F.avg_pool1d(scores.reshape(b * kv, 1, s), kernel, stride=1, padding=kernel // 2,
                         count_include_pad=False).view(b, kv, s)  # fmt: skip
+
+
+def merged_into_kept(
+    keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor,
+    similarity: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """EMS's evict-then-merge. keys, values [L, B, KV, S, D]; scores, weights [L, B, KV, S] (weights > 0);
+    keep [L, B, KV, K] ascending: the slots kept (K < S). Every other slot goes to a class: the kept
+    slot whose key is nearest by cosine similarity of keys centred on their mean over the S slots
+    (softmax attention is blind to a shift shared by every key), if that similarity is >= `similarity`,
+    else the zero class (index K: dropped). A kept slot that receives slots becomes the
+    `weights`-weighted mean of its members' keys and values, and its score their sum; one that receives
+    none keeps its bits. One scatter over K + 1 classes does every layer and head at once. Returns
+    keys, values [L, B, KV, K, D] and scores [L, B, KV, K]."""
+    count, dim = keep.shape[-1], keys.shape[-1]
+    rows = keep[..., None].expand(-1, -1, -1, -1, dim)  # [L, B, KV, K, D]
+    kept_keys, kept_values, kept_scores = keys.gather(3, rows), values.gather(3, rows), scores.gather(3, keep)
+    unit = F.normalize(keys.float() - keys.float().mean(3, keepdim=True), dim=-1)  # [L, B, KV, S, D]: centred
+    nearest_similarity, nearest = (unit @ unit.gather(3, rows).transpose(-1, -2)).max(-1)  # [L, B, KV, S]
+    is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(3, keep, True)  # [L, B, KV, S]
+    own_class = torch.zeros_like(nearest).scatter(3, keep, torch.arange(count, device=keep.device).expand_as(keep))
+    joined = torch.where(nearest_similarity >= similarity, nearest, torch.full_like(nearest, count))
+    classes = torch.where(is_kept, own_class, joined)  # [L, B, KV, S]: in [0, K]; K is the zero class
+    w = weights.float()
+    empty = torch.zeros_like(w[..., : count + 1])  # [L, B, KV, K + 1]
+    members = empty.scatter_add(3, classes, torch.ones_like(w))[..., :count]
+    mass = empty.scatter_add(3, classes, w)[..., :count, None]  # [L, B, KV, K, 1]
+    spread = classes[..., None].expand(-1, -1, -1, -1, dim)  # [L, B, KV, S, D]
+
+    def mean(x: torch.Tensor) -> torch.Tensor:  # [L, B, KV, S, D] -> each class's weighted mean [L, B, KV, K, D]
+        total = torch.zeros_like(unit[..., : count + 1, :]).scatter_add(3, spread, w[..., None] * x.float())
+        return (total[..., :count, :] / mass).to(x.dtype)
+
+    merged = members > 1  # [L, B, KV, K]: the kept slots that received others
+    score_sums = empty.scatter_add(3, classes, scores.float())[..., :count]
+    return (torch.where(merged[..., None], mean(keys), kept_keys), torch.where(merged[..., None], mean(values), kept_values),
+            torch.where(merged, score_sums.to(scores.dtype), kept_scores))  # fmt: skip
