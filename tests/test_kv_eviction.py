@@ -399,16 +399,16 @@ def test_eval_kv_tables_and_plot_cover_perplexity_and_passkey(tmp_path):
 
 
 def test_passkey_hits_are_counted_by_depth(default_model):
-    """At 192 tokens the full cache finds the key at depths 0, 25, 50 and 75 % but not right before
-    the question (the model's own failure, measured: it also fails there at 320 tokens); sinks + a
-    recent window of 64 keep only the end, where the key is then found."""
+    """At 192 tokens the full cache finds the key at depths 0 and 50 % but not right before the
+    question (the model's own failure, measured: it also fails there at 320 tokens); sinks + a recent
+    window of 64 keep only the end, where the key is then found."""
     from specpass.research.eval_kv import FULL, _program, passkey_hits
 
     model, tokenizer = default_model
     full = _program(model, FULL, 256, 16, 256 + 16)
-    assert passkey_hits(full, tokenizer, 192, seeds=1, depths=5) == [1, 1, 1, 1, 0]
+    assert passkey_hits(full, tokenizer, 192, seeds=1, depths=3) == [1, 1, 0]
     window = _program(model, "sinks-window", 64, 16, 256 + 16)
-    assert passkey_hits(window, tokenizer, 192, seeds=1, depths=5) == [0, 0, 0, 0, 1]
+    assert passkey_hits(window, tokenizer, 192, seeds=1, depths=3) == [0, 0, 1]
 
 
 # ---- batches: each row its own budget and policy state -----------------------------------------
