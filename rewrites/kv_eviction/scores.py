@@ -81,28 +81,32 @@ def merged_into_kept(
     (softmax attention is blind to a shift shared by every key), if that similarity is >= `similarity`,
     else the zero class (index K: dropped). A kept slot that receives slots becomes the
     `weights`-weighted mean of its members' keys and values, and its score their sum; one that receives
-    none keeps its bits. One scatter over K + 1 classes does every layer and head at once. Returns
+    none keeps its bits. Only the E = S - K slots not kept are compared with the kept ones (E x K
+    similarities per head); one scatter over K + 1 classes does every layer and head at once. Returns
     keys, values [L, B, KV, K, D] and scores [L, B, KV, K]."""
     count, dim = keep.shape[-1], keys.shape[-1]
-    rows = keep[..., None].expand(-1, -1, -1, -1, dim)  # [L, B, KV, K, D]
-    kept_keys, kept_values, kept_scores = keys.gather(3, rows), values.gather(3, rows), scores.gather(3, keep)
-    unit = F.normalize(keys.float() - keys.float().mean(3, keepdim=True), dim=-1)  # [L, B, KV, S, D]: centred
-    nearest_similarity, nearest = (unit @ unit.gather(3, rows).transpose(-1, -2)).max(-1)  # [L, B, KV, S]
     is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(3, keep, True)  # [L, B, KV, S]
-    own_class = torch.zeros_like(nearest).scatter(3, keep, torch.arange(count, device=keep.device).expand_as(keep))
-    joined = torch.where(nearest_similarity >= similarity, nearest, torch.full_like(nearest, count))
-    classes = torch.where(is_kept, own_class, joined)  # [L, B, KV, S]: in [0, K]; K is the zero class
-    w = weights.float()
-    empty = torch.zeros_like(w[..., : count + 1])  # [L, B, KV, K + 1]
+    others = (~is_kept).float().topk(keys.shape[3] - count, dim=-1).indices  # [L, B, KV, E]: the slots not kept
+    slots = torch.cat((keep, others), dim=-1)  # [L, B, KV, S]: the kept first, in keep's order
+    unit = F.normalize(keys.float() - keys.float().mean(3, keepdim=True), dim=-1)  # [L, B, KV, S, D]: centred
+
+    def spread(index: torch.Tensor) -> torch.Tensor:  # [L, B, KV, n] -> [L, B, KV, n, D]
+        return index[..., None].expand(-1, -1, -1, -1, dim)
+
+    nearest_similarity, nearest = (unit.gather(3, spread(others)) @ unit.gather(3, spread(keep)).transpose(-1, -2)).max(-1)
+    joined = torch.where(nearest_similarity >= similarity, nearest, torch.full_like(nearest, count))  # [L, B, KV, E]
+    classes = torch.cat((torch.arange(count, device=keep.device).expand_as(keep), joined), dim=-1)  # [L, B, KV, S] in [0, K]
+    w = weights.float().gather(3, slots)  # [L, B, KV, S] in `slots` order
+    empty = torch.zeros_like(w[..., : count + 1])  # [L, B, KV, K + 1]: K is the zero class
     members = empty.scatter_add(3, classes, torch.ones_like(w))[..., :count]
     mass = empty.scatter_add(3, classes, w)[..., :count, None]  # [L, B, KV, K, 1]
-    spread = classes[..., None].expand(-1, -1, -1, -1, dim)  # [L, B, KV, S, D]
-
-    def mean(x: torch.Tensor) -> torch.Tensor:  # [L, B, KV, S, D] -> each class's weighted mean [L, B, KV, K, D]
-        total = torch.zeros_like(unit[..., : count + 1, :]).scatter_add(3, spread, w[..., None] * x.float())
-        return (total[..., :count, :] / mass).to(x.dtype)
-
     merged = members > 1  # [L, B, KV, K]: the kept slots that received others
-    score_sums = empty.scatter_add(3, classes, scores.float())[..., :count]
-    return (torch.where(merged[..., None], mean(keys), kept_keys), torch.where(merged[..., None], mean(values), kept_values),
-            torch.where(merged, score_sums.to(scores.dtype), kept_scores))  # fmt: skip
+
+    def kept_or_mean(x: torch.Tensor) -> torch.Tensor:  # [L, B, KV, S, D] -> [L, B, KV, K, D]
+        x = x.gather(3, spread(slots))  # in `slots` order: x[..., :K, :] are the kept slots'
+        total = torch.zeros_like(unit[..., : count + 1, :]).scatter_add(3, spread(classes), w[..., None] * x.float())
+        return torch.where(merged[..., None], (total[..., :count, :] / mass).to(x.dtype), x[..., :count, :])
+
+    ordered_scores = scores.gather(3, slots)
+    score_sums = empty.scatter_add(3, classes, ordered_scores.float())[..., :count].to(scores.dtype)
+    return kept_or_mean(keys), kept_or_mean(values), torch.where(merged, score_sums, ordered_scores[..., :count])
