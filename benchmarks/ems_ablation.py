@@ -7,12 +7,13 @@ Text: `long_context.library_sequences` over `TRAINING_SOURCES` (the text the sim
 kept apart from the evaluation's `EVAL_SOURCES`): one sequence of `length` tokens fed through the decode
 path in 32-token pieces, perplexity and 128 greedy tokens against the full cache's (the `specpass
 eval-kv` protocol, `research.eval_kv.perplexity_and_continuation`). Each configuration is a fresh
-program, float32, one token a step. Writes ems-ablation-<device>.json.
+program, float32, one token a step (seconds: the text and the continuation). Writes ems-ablation-<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -51,10 +52,12 @@ def main() -> None:
         passes = [TreeAttention(CHUNK)] + ([make(slots)] if make else [])
         options = CompileOptions(pipeline=Pipeline(*passes), cache_size=args.length + NEW_TOKENS + CHUNK, budget=1,
                                  drafter=drafter_by_name("combined"))  # fmt: skip
-        ppl, tokens = perplexity_and_continuation(SpeculativeProgram(model, options), ids, CHUNK, NEW_TOKENS)
+        program, started = SpeculativeProgram(model, options), time.perf_counter()
+        ppl, tokens = perplexity_and_continuation(program, ids, CHUNK, NEW_TOKENS)
+        seconds = time.perf_counter() - started
         reference = tokens if make is None else reference
-        rows.append({"config": name, "perplexity": ppl, **agreement(tokens, reference)})
-        print(f"{name:20s} ppl {ppl:8.3f}  first difference {rows[-1]['first_difference']}", flush=True)
+        rows.append({"config": name, "perplexity": ppl, "seconds": seconds, **agreement(tokens, reference)})
+        print(f"{name:20s} ppl {ppl:8.3f}  first difference {rows[-1]['first_difference']:3d}  {seconds:6.1f} s", flush=True)
     report = run_identity(torch.device("cpu")) | {"length": args.length, "budget": args.budget, "slots": slots,
                                    "text": "TRAINING_SOURCES", "rows": rows}  # fmt: skip
     print("wrote", write_report(report, args.out, prefix="ems-ablation-"))
