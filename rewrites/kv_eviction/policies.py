@@ -210,7 +210,8 @@ class EMS(_ObservationWindow):
     window recent ones. Of the slots not kept, each whose centred key has cosine similarity >=
     `similarity` with its nearest kept key merges into it (priority-weighted means of keys and values,
     scores summed); the rest fall to the zero class and are dropped (scores.merged_into_kept). A head
-    with redundant keys merges many, a sparse one evicts: the split adapts per head."""
+    with redundant keys merges many, a sparse one evicts: the split adapts per head. Built from the
+    paper's abstract (its method text was not reachable): docs/design.md says which choices are ours."""
 
     similarity: float = 0.9
 
