@@ -51,10 +51,12 @@ class _Cache:
 
     def key(self, kv_head: int, position: int) -> torch.Tensor:
         """[D]: the key the head holds for the token (merged, if it absorbed others)."""
-        return self.merged[kv_head].get(position, (self.keys[position][kv_head],))[0]
+        merged = self.merged[kv_head].get(position)
+        return merged[0] if merged is not None else self.keys[position][kv_head]
 
     def value(self, kv_head: int, position: int) -> torch.Tensor:
-        return self.merged[kv_head].get(position, (None, self.values[position][kv_head]))[1]
+        merged = self.merged[kv_head].get(position)
+        return merged[1] if merged is not None else self.values[position][kv_head]
 
 
 @torch.no_grad()

@@ -88,7 +88,8 @@ def merged_into_kept(
     is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(3, keep, True)  # [L, B, KV, S]
     others = (~is_kept).float().topk(keys.shape[3] - count, dim=-1).indices  # [L, B, KV, E]: the slots not kept
     slots = torch.cat((keep, others), dim=-1)  # [L, B, KV, S]: the kept first, in keep's order
-    unit = F.normalize(keys.float() - keys.float().mean(3, keepdim=True), dim=-1)  # [L, B, KV, S, D]: centred
+    exact = keys.float()  # [L, B, KV, S, D]
+    unit = F.normalize(exact - exact.mean(3, keepdim=True), dim=-1)  # [L, B, KV, S, D]: centred
 
     def spread(index: torch.Tensor) -> torch.Tensor:  # [L, B, KV, n] -> [L, B, KV, n, D]
         return index[..., None].expand(-1, -1, -1, -1, dim)
