@@ -108,9 +108,11 @@ def test_attention_reads_only_the_slots_its_mask_covers_and_not_the_thread_count
 def test_a_row_of_the_linear_does_not_depend_on_the_other_rows(dtype):
     """Calls of sizes the probe never measured (17, 100, 600 rows: run in measured pieces) and of sizes it
     did give every row the bits of the same row computed alone, on both kernels: small weights on ATen's
-    mm, large ones on oneDNN as they are and packed (as float32: bfloat16 computes in float32)."""
+    mm, large ones on oneDNN as they are and packed (as float32: bfloat16 computes in float32). One-output
+    weights (a mixture's shared-expert gate) too: a one-row call of them is a GEMV that gives most rows
+    other bits than a GEMM, and one row by chance the same (found on an Intel Xeon)."""
     gen = torch.Generator().manual_seed(0)
-    for k, n in ((576, 1536), (1536, 576), (32, 96), (64, 256)):
+    for k, n in ((576, 1536), (1536, 576), (32, 96), (64, 256), (32, 1), (576, 1), (32, 4)):
         weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
         x = torch.randn(600, k, generator=gen).to(dtype)
         large = linear_module.runs_on_onednn(weight)

@@ -8,7 +8,8 @@ it is or packed: the same bits) keeps a row's bits at every size except, for som
 the row. So each weight gets a `RowPlan`: its kernel, fixed by its size (ATen's mm where the weight
 is small, under `ATEN_MAX_WEIGHT` elements: oneDNN costs about 25-40 us a call whatever the call,
 ATen about 5; oneDNN above), and the call sizes measured, once per process, shape, packing and thread
-count, to give every row the bits it has in a call of `REFERENCE_ROWS` (`row_plan`). `rows_linear`
+count, to give every row the bits it has in a call of `REFERENCE_ROWS` (`row_plan`; a size is compared on
+at least `MIN_COMPARED` rows, since a kernel can give one row the reference's bits by chance). `rows_linear`
 then runs any number of rows as calls of those sizes only, padding a short remainder with copies of its
 last row. A bfloat16 linear computes in float32 on float32 weights and rounds once. Invariant:
 rows_linear(x)[i] depends only on x[i], the weight and the bias (checked at build time by
@@ -24,7 +25,8 @@ import torch
 
 SMALL_SIZES = tuple(range(1, 17))  # every size a remainder may take
 LADDER = (24, 31, 32, 33, 48, 63, 64, 96, 128, 192, 256, 384, 512)
-COMPARED_ROWS = 64
+COMPARED_ROWS = 64  # rows compared for a call size of 64 or more
+MIN_COMPARED = 16  # a smaller call size is compared in calls of that size over at least this many rows
 REFERENCE_ROWS = 8  # a row's bits are those it has in a call of this many rows, the others copies of it
 ATEN_MAX_WEIGHT = 1 << 16  # weights of at most this many elements run on ATen's mm, larger on oneDNN
 
@@ -126,6 +128,8 @@ def _row_plan(shape: tuple[int, int], packed: bool, onednn: bool, threads: int) 
     sizes = []
     for size in SMALL_SIZES + LADDER:
         compared = min(size, COMPARED_ROWS)
-        if torch.equal(_call(x[:size], weight, onednn, size)[:compared], reference[:compared]):
+        starts = range(0, max(compared, MIN_COMPARED), size)  # a kernel may give one row the reference's bits by chance
+        if all(torch.equal(_call(x[i : i + size], weight, onednn, size)[:compared], reference[i : i + compared])
+               for i in starts):  # fmt: skip
             sizes.append(size)
     return RowPlan(onednn, tuple(sizes))
