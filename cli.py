@@ -242,13 +242,14 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
     if kind not in ("medusa", "hydra") and args.heads is not None:
         raise InvalidParameterError(f"--heads is for draft heads (--kind medusa or hydra), not --kind {kind}")
-    if kind != "feature" and any(v is not None for v in (args.chain_steps, args.sequences, args.resume)):
-        raise InvalidParameterError("--chain-steps, --sequences and --resume are for --kind feature")
+    if kind not in ("feature", "clover") and any(v is not None for v in (args.chain_steps, args.sequences, args.resume)):
+        raise InvalidParameterError("--chain-steps, --sequences and --resume are for --kind feature or clover")
     if kind == "exit-adapter":
         given |= {"layer": args.layer, "blocks": args.blocks, "inner_size": args.inner_size}
         config_type = ExitTrainConfig
-    elif kind == "feature":
-        given |= {"steps": args.chain_steps, "sequences": args.sequences}
+    elif kind in ("feature", "clover"):
+        given |= {"steps": args.chain_steps, "sequences": args.sequences,
+                  "design": "clover" if kind == "clover" else "eagle3"}  # fmt: skip
         config_type = FeatureTrainConfig
     else:
         given |= {"design": kind, "num_heads": args.heads}
@@ -275,10 +276,12 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         print(f"  held-out top-1 agreement with the model: {report['adapter_agreement']:.3f} "
               f"(the plain exit after layer {result.layer}: {report['plain_exit_agreement']:.3f})")
         return 0
-    if kind == "feature":
+    if kind in ("feature", "clover"):
+        if start is not None and start.config.design != config.design:
+            raise InvalidParameterError(f"--resume {args.resume} holds a {start.config.design} draft, not --kind {kind}")
         _, draft, _ = train_feature_draft(model, corpus, held_out, config, layers, out_dir=args.out, start=start)
-        print(f"wrote {args.out}: a feature draft over layers {draft.feature_layers} for model {draft.model}, "
-              f"a draft vocabulary of {draft.draft_vocab} tokens")
+        what = "a Clover draft" if kind == "clover" else f"a feature draft over layers {draft.feature_layers}"
+        print(f"wrote {args.out}: {what} for model {draft.model}, a draft vocabulary of {draft.draft_vocab} tokens")
         for d, row in enumerate(draft.accuracy, start=1):
             print(f"  depth {d}: held-out top-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f}")
         return 0
@@ -410,10 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
     exp.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ORT/PyTorch comparison")
     exp.set_defaults(run=cmd_export)
-    heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads, an exit adapter or a feature "
-                           "draft (EAGLE-3 style) for a model")  # fmt: skip
+    heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads, an exit adapter, a feature "
+                           "draft (EAGLE-3 style) or a Clover draft for a model")  # fmt: skip
     heads.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
-    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter", "feature", *_RENAMED), default="medusa")
+    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter", "feature", "clover", *_RENAMED),
+                       default="medusa")  # fmt: skip
     heads.add_argument("--out", required=True,
                        help="output directory (heads, exit_adapter or feature_draft .safetensors + .json)")
     heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
@@ -421,13 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--blocks", type=int, help="exit-adapter: residual MLP blocks (default 1)")
     heads.add_argument("--inner-size", type=int, help="exit-adapter: each block's MLP width (default 1536)")
     heads.add_argument("--chain-steps", type=int,
-                       help="feature: draft steps trained at once on the draft's own states (default 4)")
+                       help="feature, clover: draft steps trained at once on the draft's own states (default 4)")
     heads.add_argument("--sequences", type=int,
-                       help="feature: whole sequences per optimizer step (default 8; the GPU recipe 32)")
+                       help="feature, clover: whole sequences per optimizer step (default 8; the GPU recipe 32)")
     heads.add_argument("--prompts", type=int,
                        help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000, "
-                       "feature 1000)")
-    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2; feature 4)")
+                       "feature and clover 1000)")
+    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2; feature and clover 4)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 128)")
     heads.add_argument("--seed", type=int, help="(default 0)")
     heads.add_argument("--held-out", type=int,
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--draft-vocab", type=int,
                        help="tokens the heads may propose: the most frequent of the corpus (default 8192; 0: all)")
     heads.add_argument("--resume", metavar="DIR",
-                       help="feature: train this model's feature draft in DIR further (a new schedule of --epochs)")
+                       help="feature, clover: train this model's draft of that kind in DIR further (a new schedule of --epochs)")
     heads.add_argument("--corpus", help="file caching the generated training corpus (read if present, else written)")
     heads.add_argument("--device", default="cpu", help="where the model generates and the heads train: cpu or cuda")
     heads.set_defaults(run=cmd_train_heads)

@@ -22,7 +22,7 @@ import torch
 import specpass
 from specpass.drafters import Aded, Combined, CopySpec, PromptLookup, Suffix, TokenRecycling
 from specpass.research import prompts as P
-from specpass.research.bench import run_identity, write_report
+from specpass.research.bench import run_identity, timed_generations, write_report
 from specpass.rewrites import TreeAttention
 
 REVISIONS = (
@@ -74,18 +74,7 @@ def main() -> None:
     for name, options in CONFIGS.items():
         program = specpass.compile_program(model, options)
         program.cost_curve  # measured before timing
-        tokens = forwards = differing = 0
-        seconds = 0.0
-        for ids, reference in zip(prompts, references):
-            program.forget()  # each conversation alone: what it drafts from is in its prompt
-            started = time.perf_counter()
-            out = specpass.generate(program, ids, max_new_tokens=args.max_new_tokens)
-            seconds += time.perf_counter() - started
-            tokens += out.stats.new_tokens
-            forwards += out.stats.target_forwards
-            differing += int(not torch.equal(out.sequences, reference))
-        results[name] = {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds, 1),
-                         "tau": round(tokens / forwards, 3), "outputs_differing_from_hf_greedy": differing}  # fmt: skip
+        results[name] = timed_generations(program, prompts, references, args.max_new_tokens, forget_each=True)
         print(name, results[name], flush=True)
     for entry in results.values():
         entry["x_hf_greedy"] = round(entry["tokens_per_second"] / results["hf_greedy"]["tokens_per_second"], 3)

@@ -1,5 +1,5 @@
-"""Feature-draft candidates for the tree (EAGLE-2's dynamic tree over an EAGLE-3 style draft layer,
-rewrites.FeatureDraft).
+"""Feature-draft candidates for the tree (EAGLE-2's dynamic tree over an EAGLE-3 style draft layer or
+Clover's draft, rewrites.FeatureDraft: the same calls drive either).
 
 Each session (one row) keeps the draft's KV cache of the verified prefix (step 0 at every committed
 position, from the step's declared features output); a verify step's accepted path is appended lazily,
@@ -135,7 +135,7 @@ def _append_rows(sessions: Sequence[FeatureSession]) -> None:
         features[r, :count] = s.pending[1]
     states, logits, vocab, keys, values = sessions[0].draft(
         torch.from_numpy(tokens).to(device), features, torch.from_numpy(positions).to(device), keys, values,
-        torch.from_numpy(mask).to(device))  # fmt: skip
+        torch.from_numpy(mask).to(device), torch.zeros(rows, n, dtype=torch.long, device=device))  # fmt: skip
     for r, (s, length, count) in enumerate(zip(sessions, lengths, counts)):
         if rows == 1:  # nothing padded
             s.keys, s.values = keys, values
@@ -181,7 +181,7 @@ def _expand_rows(sessions: Sequence[FeatureSession]) -> list[dict[tuple[int, ...
                 parents[r, i] = state_of[r][path[:-1]]
         states, logits, _, keys, values = sessions[0].draft(
             torch.from_numpy(inputs).to(device), parents, torch.from_numpy(positions).to(device), keys, values,
-            torch.from_numpy(mask).to(device))  # fmt: skip
+            torch.from_numpy(mask).to(device), torch.full((rows, n), depth, dtype=torch.long, device=device))  # fmt: skip
         tokens, probs = sessions[0]._ranked(logits.flatten(0, 1))  # [R * n] rows
         scored = []
         for r, (s, frontier) in enumerate(zip(sessions, frontiers)):

@@ -22,12 +22,15 @@ from torch import nn
 from ..common.errors import InvalidParameterError, require_positive_ints
 from ..ir.decode_step import ApplyRope
 
+DESIGNS = ("eagle3", "clover")  # the draft layers of this interface: this module's, heads.clover's
+
 
 @dataclass(frozen=True)
 class FeatureDraftConfig:
     """What a feature draft is, the model it belongs to, and how accurate it measured.
 
-    accuracy[d][r]: on held-out data, how often the draft's rank-r token at depth d + 1 of a chain
+    design: "eagle3" (this module's layer, over three feature layers) or "clover" (heads.clover, over
+    the final normed state: no feature layers). accuracy[d][r]: on held-out data, how often the draft's rank-r token at depth d + 1 of a chain
     (drafted from its own states, the target's tokens fed back) was the target's greedy token."""
 
     hidden_size: int
@@ -42,14 +45,23 @@ class FeatureDraftConfig:
     rms_eps: float
     model: str  # identity of the model: heads.io.model_fingerprint
     accuracy: tuple[tuple[float, ...], ...] = ()
+    design: str = "eagle3"
 
     def __post_init__(self):
         require_positive_ints(self, ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
                                      "intermediate_size", "draft_vocab"))  # fmt: skip
+        if self.design not in DESIGNS:
+            raise InvalidParameterError(f"unknown feature draft design {self.design!r}; choose one of {DESIGNS}")
         if self.num_heads % self.num_kv_heads:
             raise InvalidParameterError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                                         f"({self.num_kv_heads})")  # fmt: skip
-        if len(self.feature_layers) != 3 or len(set(self.feature_layers)) != 3:
+        if self.design == "clover":
+            if self.feature_layers:
+                raise InvalidParameterError(f"a Clover draft reads the final normed state, not layers {self.feature_layers}")
+            if self.hidden_size % self.num_heads:
+                raise InvalidParameterError(f"Clover's fusion splits hidden_size ({self.hidden_size}) into num_heads "
+                                            f"({self.num_heads}) parts")  # fmt: skip
+        elif len(self.feature_layers) != 3 or len(set(self.feature_layers)) != 3:
             raise InvalidParameterError(f"feature_layers must be three distinct layer indices, got {self.feature_layers}")
         if self.draft_vocab > self.vocab_size:
             raise InvalidParameterError(f"draft_vocab ({self.draft_vocab}) exceeds the vocabulary ({self.vocab_size})")
@@ -64,7 +76,7 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return low, middle, max(num_layers - 3, middle + 1)
 
 
-def config_for(model: nn.Module, draft_vocab: int, model_id: str) -> FeatureDraftConfig:
+def config_for(model: nn.Module, draft_vocab: int, model_id: str, design: str = "eagle3") -> FeatureDraftConfig:
     """The draft's config for a HF causal LM: the target's attention shape and rotary base, its MLP width."""
     c = model.config
     params = getattr(c, "rope_parameters", None) or {}
@@ -77,11 +89,12 @@ def config_for(model: nn.Module, draft_vocab: int, model_id: str) -> FeatureDraf
         num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
         intermediate_size=c.intermediate_size,
-        feature_layers=default_feature_layers(c.num_hidden_layers),
+        feature_layers=() if design == "clover" else default_feature_layers(c.num_hidden_layers),
         draft_vocab=min(draft_vocab, c.vocab_size),
         rope_theta=float(theta),
         rms_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
         model=model_id,
+        design=design,
     )
 
 
@@ -161,6 +174,13 @@ class FeatureDraftLayer(nn.Module):
         keys, values = torch.cat((past_keys, k), 2), torch.cat((past_values, v), 2)
         return self.finish(states, q, keys, values, mask), keys, values
 
+    def draft_step(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor,
+                   past_values: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor):  # fmt: skip
+        """One draft call (FeatureDraftStep): `extend` and its logits; every token is one step of this
+        layer whatever its depth [B, T] -> (states [B, T, H], logits [B, T, D], keys, values)."""
+        out, keys, values = self.extend(embeds, states, positions, past_keys, past_values, mask)
+        return out, self.logits(out), keys, values
+
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., D] of output states [..., H]."""
         return self.head(self.final_norm(states))
@@ -196,11 +216,13 @@ def chain_mask(length: int, step: int, device=None) -> torch.Tensor:
 
 
 class FeatureDraftStep(nn.Module):
-    """The draft graph (rewrites.feature_draft): one `extend` of the draft layer and its logits.
+    """The draft graph (rewrites.feature_draft): one `draft_step` of the draft (this module's layer or
+    heads.clover's).
 
     Inputs: tokens [N, T] (x[s+1] of each position s), states [N, T, H] (the target's fused features for
     step 0, else the previous step's outputs), positions [N, T], the draft's own cache past_keys,
-    past_values [N, nkv, S, d] and mask [N, T, S + T] (True: attend). Outputs: states [N, T, H],
+    past_values [N, nkv, S, d], mask [N, T, S + T] (True: attend) and depth [N, T] (0: a committed
+    position, j: a token drafted at depth j). Outputs: states [N, T, H],
     logits [N, T, D] over the draft vocabulary, its token ids vocab [D], and the cache with these
     tokens appended, keys, values [N, nkv, S + T, d]. The token embedding is the target's (shared)."""
 
@@ -209,7 +231,7 @@ class FeatureDraftStep(nn.Module):
         self.layer = layer
         self.embed_tokens = embed_tokens
 
-    def forward(self, tokens, states, positions, past_keys, past_values, mask):
-        out, keys, values = self.layer.extend(self.embed_tokens(tokens), states, positions, past_keys, past_values,
-                                              mask)  # fmt: skip
-        return out, self.layer.logits(out), self.layer.draft_vocab, keys, values
+    def forward(self, tokens, states, positions, past_keys, past_values, mask, depth):
+        out, logits, keys, values = self.layer.draft_step(self.embed_tokens(tokens), states, positions, past_keys,
+                                                          past_values, mask, depth)  # fmt: skip
+        return out, logits, self.layer.draft_vocab, keys, values

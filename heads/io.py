@@ -165,10 +165,16 @@ def read_feature_config(directory: str):
     return read_config_file(directory, FEATURE_CONFIG, build, "feature draft", FEATURE_HINT)
 
 
-def load_feature_draft(directory: str, lm_head: nn.Module) -> nn.Module:
-    """A feature draft from `directory`, on the LM head's device and dtype; refused for another model."""
+def feature_draft_module(config) -> nn.Module:
+    """An untrained draft of `config`'s design: EAGLE-3's layer (heads.feature_draft) or Clover's (heads.clover)."""
+    from .clover import CloverDraft
     from .feature_draft import FeatureDraftLayer
 
+    return CloverDraft(config) if config.design == "clover" else FeatureDraftLayer(config)
+
+
+def load_feature_draft(directory: str, lm_head: nn.Module) -> nn.Module:
+    """A feature draft from `directory`, on the LM head's device and dtype; refused for another model."""
     config = read_feature_config(directory)
-    return load_for_model(FeatureDraftLayer(config), config.model, lm_head, directory, FEATURE_WEIGHTS, FEATURE_HINT,
-                          "feature draft")  # fmt: skip
+    return load_for_model(feature_draft_module(config), config.model, lm_head, directory, FEATURE_WEIGHTS,
+                          FEATURE_HINT, "feature draft")  # fmt: skip

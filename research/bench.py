@@ -111,6 +111,25 @@ def _slug(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
 
 
+def timed_generations(program, prompts: list[torch.Tensor], references: list[torch.Tensor], max_new_tokens: int,
+                      forget_each: bool = False) -> dict:  # fmt: skip
+    """`program`'s greedy generation of each prompt in turn (`forget_each`: on a program that forgets the
+    previous ones): new tokens, wall seconds, tokens/s, tau, and how many outputs differ from `references`."""
+    tokens = forwards = differing = 0
+    seconds = 0.0
+    for ids, reference in zip(prompts, references):
+        if forget_each:
+            program.forget()
+        started = time.perf_counter()
+        out = generate(program, ids, max_new_tokens=max_new_tokens)
+        seconds += time.perf_counter() - started
+        tokens += out.stats.new_tokens
+        forwards += out.stats.target_forwards
+        differing += int(not torch.equal(out.sequences, reference))
+    return {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds, 1),
+            "tau": round(tokens / forwards, 3), "outputs_differing_from_hf_greedy": differing}  # fmt: skip
+
+
 def write_report(report: dict, out_dir: str, prefix: str = "") -> str:
     """Writes `report` to OUT_DIR/<prefix><device slug>.json and returns the path."""
     os.makedirs(out_dir, exist_ok=True)

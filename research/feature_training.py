@@ -1,9 +1,11 @@
-"""Self-distillation of a feature draft (heads.feature_draft) with EAGLE-3's training-time test.
+"""Self-distillation of a feature draft (heads.feature_draft, or Clover's: heads.clover) with EAGLE-3's
+training-time test.
 
 1. Corpus: as for the heads (research.heads_training.generate_corpus: the training prompts and the model's greedy
    continuations), with the residual stream at the draft's three feature layers caught from the
    generation's own forwards (`Continuation.layer_states`) beside the final normed state; a corpus
-   cached as tokens gets both from one batched forward pass (`with_features`).
+   cached as tokens gets both from one batched forward pass (`with_features`). A Clover draft reads
+   the final normed state only.
 2. Teacher: the model's own sparse law at every position (research.heads_training.teacher), restricted to the draft
    vocabulary and renormalised.
 3. Training: whole sequences at a time, batched by similar length (`length_batches`). Every step
@@ -28,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common.errors import InvalidParameterError, require_positive_ints
-from ..heads.feature_draft import FeatureDraftLayer, FeatureDraftConfig, config_for
-from ..heads.io import model_fingerprint
+from ..heads.clover import CloverDraft, initialise_clover
+from ..heads.feature_draft import DESIGNS, FeatureDraftLayer, FeatureDraftConfig, config_for
+from ..heads.io import feature_draft_module, model_fingerprint
 from ..heads.modules import draft_vocabulary
 from .heads_training import Continuation, Teacher, _DraftVocabulary, cosine_adamw, forward_states, sparse_kl, teacher
 
@@ -46,17 +49,21 @@ class FeatureTrainConfig:
     held_out: int = 32
     ranks: int = 8
     draft_vocab: int = 8192
+    design: str = "eagle3"  # heads.feature_draft.DESIGNS
 
     def __post_init__(self):
         require_positive_ints(self, ("prompts", "max_new_tokens", "epochs", "sequences", "steps", "held_out", "ranks",
                                      "draft_vocab"))  # fmt: skip
+        if self.design not in DESIGNS:
+            raise InvalidParameterError(f"design must be one of {DESIGNS}, got {self.design!r}")
         if not self.lr > 0:
             raise InvalidParameterError(f"lr must be positive, got {self.lr}")
 
 
 @dataclass(frozen=True)
 class _Batch:
-    """Sequences of one step on the draft's device, `width` positions s each: the features [B, W, 3H]
+    """Sequences of one step on the draft's device, `width` positions s each: the features [B, W, F]
+    (3H: three layers' streams; H: Clover's final normed state)
     (float32, zero past each one's length), the embeddings' tokens x[s+1] [B, W], the teacher's sparse
     law over x[s+2] (probs, rows [B, W, TOP]), its greedy token [B, W], and the masks [B, W]."""
 
@@ -98,9 +105,14 @@ class _Sequences:
 
 
 @torch.no_grad()
-def with_features(model: nn.Module, corpus: list[Continuation], layers: tuple[int, int, int]) -> list[Continuation]:
+def with_features(model: nn.Module, corpus: list[Continuation], layers: tuple[int, ...]) -> list[Continuation]:
     """The corpus with every sequence's features: those generate_corpus caught (`layers=` the draft's), else
-    (a corpus cached as tokens) from batched forwards, which give the teacher's final normed states too."""
+    (a corpus cached as tokens) from batched forwards, which give the teacher's final normed states too.
+    No layers (a Clover draft): the final normed states are the features."""
+    if not layers:
+        missing = [seq.tokens[:-1] for seq in corpus if seq.hidden is None]
+        computed = iter(forward_states(model, missing, ()))
+        return [seq if seq.hidden is not None else replace(seq, hidden=next(computed)[0].cpu()) for seq in corpus]
     missing = [seq.tokens[:-1] for seq in corpus if seq.layer_states is None]
     computed = iter(forward_states(model, missing, tuple(layers)))
     out = []
@@ -124,7 +136,8 @@ def _sequences(corpus: list[Continuation], data: Teacher, vocab: _DraftVocabular
     valid, generated = torch.zeros(n, width, dtype=torch.bool), torch.zeros(n, width, dtype=torch.bool)
     for i, (seq, offset) in enumerate(zip(corpus, data.offsets)):
         length = len(seq.tokens) - 2
-        features.append(seq.layer_states[:length].flatten(1).to(torch.bfloat16))
+        states = seq.hidden if seq.layer_states is None else seq.layer_states.flatten(1)  # [L - 1, F]
+        features.append(states[:length].to(torch.bfloat16))
         tokens[i, : length + 1] = seq.tokens[: length + 1]
         law = slice(offset + 1, offset + 1 + length)  # the teacher at s + 1: the law over x[s+2]
         law_probs, law_rows = vocab.law(data.probs[law], data.ids[law])
@@ -153,8 +166,8 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     if start is not None:
         draft, identity = start.float(), replace(start.config, accuracy=())
     else:
-        identity = config_for(model, config.draft_vocab, model_fingerprint(model.lm_head))
-        if feature_layers is not None:
+        identity = config_for(model, config.draft_vocab, model_fingerprint(model.lm_head), config.design)
+        if feature_layers is not None and config.design == "eagle3":
             identity = replace(identity, feature_layers=tuple(feature_layers))
         draft = make_feature_draft(model, identity, [seq.tokens for seq in corpus])
     vocab = _DraftVocabulary(model.lm_head.weight.detach(), draft.draft_vocab)
@@ -203,12 +216,16 @@ def length_batches(lengths: torch.Tensor, size: int, generator: torch.Generator,
     return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
-def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: list[torch.Tensor]) -> FeatureDraftLayer:
+def make_feature_draft(model: nn.Module, config: FeatureDraftConfig,
+                       sequences: list[torch.Tensor]) -> FeatureDraftLayer | CloverDraft:  # fmt: skip
     """An untrained draft for `model`: its draft vocabulary the tokens most frequent in `sequences`, its
-    head initialised from those rows of the model's LM head and its final norm from the model's."""
-    draft = FeatureDraftLayer(config)
+    head initialised from those rows of the model's LM head and its final norm from the model's (a
+    Clover draft: heads.clover.initialise_clover, too)."""
+    draft = feature_draft_module(config)
     vocab_ids = draft_vocabulary(sequences, config.vocab_size, config.draft_vocab)
     with torch.no_grad():
+        if config.design == "clover":
+            initialise_clover(draft, model)
         draft.draft_vocab.copy_(vocab_ids)
         draft.head.weight.copy_(model.lm_head.weight[vocab_ids.to(model.lm_head.weight.device)].float())
         draft.final_norm.weight.copy_(model.model.norm.weight.float())

@@ -1,13 +1,16 @@
-"""Feature draft: a trained EAGLE-3 style draft layer (heads.feature_draft) added to the step.
+"""Feature draft: a trained draft layer over the target's states added to the step: EAGLE-3's
+(heads.feature_draft) or Clover's (heads.clover), chosen by the trained draft's design.
 
-Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.). The verify graph gains one declared output
-(ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the draft's `fuse` over the residual streams entering
-its three feature layers, computed where those states are; the step's other outputs stay bit for bit.
-The step gains a draft graph of kind "feature" (`heads.feature_draft.FeatureDraftStep`): one step of the
-draft layer over its own KV cache, passed in and returned, with the model's token embedding (shared). On
-ONNX the declared output is one more output of model.onnx and the draft graph is draft.onnx
-(backends.onnx.draft). Refused, graph unchanged: a draft trained for another model, feature layers the
-model lacks, a second draft graph. `verify` checks the output is the fuse over exactly those streams.
+Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.); Clover (Xiao et al.). For an EAGLE-3 draft the verify graph
+gains one declared output (ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the draft's `fuse` over
+the residual streams entering its three feature layers, computed where those states are; a Clover draft
+reads the final normed states every step already returns, and the verify graph stays as it is. Either
+way the step's other outputs stay bit for bit. The step gains a draft graph of kind "feature"
+(`heads.feature_draft.FeatureDraftStep`): one call of the draft over its own KV cache, passed in and
+returned, with the model's token embedding (shared). On ONNX the declared output is one more output of
+model.onnx and the draft graph is draft.onnx (backends.onnx.draft). Refused, graph unchanged: a draft
+trained for another model, feature layers the model lacks, a second draft graph. `verify` checks the
+output is the fuse over exactly those streams (and that a Clover draft's step declares none).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ class FeatureDraft(DraftGraphPass):
 
         layer = load_feature_draft(self.directory(), gm.get_submodule("lm_head"))
         config = layer.config
-        self._add_features(gm, layer.fuse, config.feature_layers)
+        if config.design == "eagle3":
+            self._add_features(gm, layer.fuse, config.feature_layers)
         draft = trace_draft(FeatureDraftStep(layer, gm.get_submodule("embed_tokens")), {"embed_tokens": Role.EMBED})
         arch = arch_of(gm)
         h, kv, d, vocab = config.hidden_size, config.num_kv_heads, config.head_dim, config.draft_vocab
@@ -90,6 +94,7 @@ class FeatureDraft(DraftGraphPass):
                 DraftTensor("past_keys", (ROWS, kv, "S", d), "model"),
                 DraftTensor("past_values", (ROWS, kv, "S", d), "model"),
                 DraftTensor("mask", (ROWS, "T", "S+T"), "bool"),
+                DraftTensor("depth", (ROWS, "T"), "int64", bound=2),
             ),
             outputs=(
                 DraftTensor("new_states", (ROWS, "T", h), "model"),
@@ -100,6 +105,8 @@ class FeatureDraft(DraftGraphPass):
             ),
             config=config,
         )
+        if config.design == "clover":
+            return draft, spec, f"a Clover draft (augmenting block, regressive heads), {vocab} draft tokens"
         return draft, spec, f"a feature draft layer over layers {config.feature_layers}, {vocab} draft tokens"
 
     @staticmethod
@@ -123,9 +130,14 @@ class FeatureDraft(DraftGraphPass):
         return FeatureDraftConfig(**data)
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
-        """The step outputs `features`: its fuse over the streams entering the draft's three layers."""
+        """An EAGLE-3 draft's step outputs `features`: its fuse over the streams entering the draft's three
+        layers; a Clover draft's step declares no such output (its draft reads the final normed states)."""
         super().verify(gm)
         fused = step_output(gm, DRAFT_STATES)
+        if draft_spec(gm).config.design == "clover":
+            if fused is not None:
+                _fail(f"a Clover draft reads the final normed states, but the step declares {DRAFT_STATES!r}")
+            return
         if fused is None or fused.op != "call_module" or fused.target != FUSE_MODULE:
             _fail(f"the step lost its declared output {DRAFT_STATES!r} (the draft's fuse over its feature layers)")
         joined = fused.args[0]

@@ -95,6 +95,62 @@ def train_tiny_feature_draft(model, directory: str):
     return corpus, held_out, directory, draft, result, losses
 
 
+def random_draft(draft, std: float = 0.3, seed: int = 0):
+    """`draft` (a feature or Clover draft of a small config) with N(0, std) weights and a random draft
+    vocabulary, in eval mode."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, std)
+        draft.draft_vocab.copy_(torch.randperm(draft.config.vocab_size)[: draft.config.draft_vocab])
+    return draft.eval()
+
+
+def check_drafting_equals_hf_greedy(model, corpus, pipeline, alone, combined) -> None:
+    """Greedy with `alone` and with `combined` (the same drafter in a combined tree) under `pipeline` equals
+    HF greedy token for token on three prompts of `corpus` (where a trained draft drafts well: tau >
+    1.5) and on two unseen ones; a batch of rows of different lengths equals each row alone."""
+    import specpass
+
+    prompts = [c.tokens[: c.start + 1][None] for c in corpus[:3]]
+    prompts += [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
+    taus = []
+    for drafter in (alone, combined):
+        options = {"pipeline": pipeline, "drafter": drafter, "cache_size": 96, "budget": 12}
+        for ids in prompts:
+            out = specpass.generate(model, ids, max_new_tokens=24, eos_token_id=[], options=options)
+            reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                       eos_token_id=None)  # fmt: skip
+            assert torch.equal(out.sequences, reference)
+            taus.append(out.stats.tau)
+    assert min(taus[:3]) > 1.5, taus
+    program = specpass.compile_program(model, {"pipeline": pipeline, "drafter": alone, "cache_size": 96,
+                                              "budget": 12}, rows=3)  # fmt: skip
+    rows = [prompts[0], prompts[3], prompts[4]]  # 6, 5 and 11 tokens
+    ids, mask = padded(rows)
+    batch = specpass.generate(program, ids, 20, attention_mask=mask, eos_token_id=[])
+    for row, new in zip(rows, batch.new_tokens):
+        alone_tokens = model.generate(row, max_new_tokens=20, do_sample=False, eos_token_id=None)
+        assert list(new) == alone_tokens[0, row.shape[1] :].tolist()
+
+
+def check_sampling_equals_one_node_sampling(model, corpus, pipeline, drafter) -> None:
+    """Sample-and-match over the drafter's tree: with the same seed, the same tokens as sampling one token a
+    step (a budget of 1), on three prompts of `corpus`, drafting well there (mean tau > 1.2)."""
+    import specpass
+
+    speculative = {"pipeline": pipeline, "drafter": drafter, "cache_size": 96, "budget": 12}
+    plain = {"pipeline": pipeline, "drafter": drafter, "cache_size": 96, "budget": 1}
+    taus = []
+    for seed, c in enumerate(corpus[:3]):
+        ids = c.tokens[: c.start + 1][None]
+        settings = dict(do_sample=True, temperature=0.5, seed=seed, eos_token_id=[])
+        out = specpass.generate(model, ids, 24, options=speculative, **settings)
+        assert torch.equal(out.sequences, specpass.generate(model, ids, 24, options=plain, **settings).sequences)
+        taus.append(out.stats.tau)
+    assert sum(taus) / len(taus) > 1.2, taus
+
+
 def at_once(calls: list) -> list:
     """Run the zero-argument `calls` in threads of their own, released together; their results in order."""
     start = threading.Barrier(len(calls))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import peaked_four_layer_llama, train_tiny_feature_draft
+from conftest import (check_drafting_equals_hf_greedy, check_sampling_equals_one_node_sampling, peaked_four_layer_llama,
+                      random_draft, train_tiny_feature_draft)
 
 from specpass.common.errors import DamagedFileError, InvalidParameterError
 from specpass.heads.feature_draft import FeatureDraftConfig, FeatureDraftLayer, chain_mask, default_feature_layers
@@ -18,13 +19,7 @@ def _config(**changes) -> FeatureDraftConfig:
 
 
 def _draft(seed: int = 0) -> FeatureDraftLayer:
-    torch.manual_seed(seed)
-    draft = FeatureDraftLayer(_config())
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.normal_(0, 0.3)
-        draft.draft_vocab.copy_(torch.randperm(40)[:12])
-    return draft.eval()
+    return random_draft(FeatureDraftLayer(_config()), seed=seed)
 
 
 def test_chain_mask_is_the_definition():
@@ -38,29 +33,36 @@ def test_chain_mask_is_the_definition():
             assert seen == expected
 
 
+@pytest.mark.parametrize("design", ["eagle3", "clover"])
 @torch.no_grad()
-def test_training_chains_equal_drafting_one_token_at_a_time():
-    """Step j at position s of forward_chains == decoding: the step-0 cache of positions 0..s-j (the
-    target's features), then j drafted tokens, each a one-token `extend` over the cache so far."""
-    draft = _draft()
-    b, t, h, steps = 2, 9, 16, 4
-    features, embeds = torch.randn(b, t, 3 * h), torch.randn(b, t, h)
+def test_training_chains_equal_drafting_one_token_at_a_time(design):
+    """Depth j at position s of forward_chains == decoding: one draft call over positions 0..s-j at depth 0
+    (the target's states: fused for EAGLE-3, as they are for Clover) filling the draft's cache, then j
+    drafted tokens, each a one-token call at its depth seeing everything so far."""
+    from specpass.heads.io import feature_draft_module
+
+    config = _config() if design == "eagle3" else _config(feature_layers=(), design="clover")
+    draft = random_draft(feature_draft_module(config))
+    b, t, steps = 2, 9, 4
+    features, embeds = torch.randn(b, t, 3 * 16 if design == "eagle3" else 16), torch.randn(b, t, 16)
+    roots = draft.fuse(features) if design == "eagle3" else features  # [B, T, H]
     chains = draft.forward_chains(features, embeds, steps)
-    kv, d = draft.config.num_kv_heads, draft.config.head_dim
+    kv, d = config.num_kv_heads, config.head_dim
     for s in range(t):
         for j in range(min(steps, s + 1)):
             start = s - j
-            positions = torch.arange(start + 1).expand(b, -1)
-            empty = torch.zeros(b, kv, 0, d)
             causal = torch.ones(start + 1, start + 1, dtype=torch.bool).tril()[None].expand(b, -1, -1)
-            out, keys, values = draft.extend(embeds[:, : start + 1], draft.fuse(features[:, : start + 1]), positions,
-                                             empty, empty, causal)  # fmt: skip
-            state = out[:, -1:]
-            for i in range(1, j + 1):  # drafted token i sits at position start + i and sees everything so far
+            empty = torch.zeros(b, kv, 0, d)
+            state, logits, keys, values = draft.draft_step(embeds[:, : start + 1], roots[:, : start + 1],
+                                                           torch.arange(start + 1).expand(b, -1), empty, empty,
+                                                           causal, torch.zeros(b, start + 1, dtype=torch.long))  # fmt: skip
+            state, logits = state[:, -1:], logits[:, -1:]
+            for i in range(1, j + 1):  # drafted token i sits at position start + i
                 see = torch.ones(b, 1, keys.shape[2] + 1, dtype=torch.bool)
-                state, keys, values = draft.extend(embeds[:, start + i : start + i + 1], state,
-                                                   torch.full((b, 1), start + i), keys, values, see)  # fmt: skip
-            torch.testing.assert_close(chains[j][:, s], state[:, 0], rtol=1e-5, atol=1e-5)
+                state, logits, keys, values = draft.draft_step(embeds[:, start + i : start + i + 1], state,
+                                                               torch.full((b, 1), start + i), keys, values, see,
+                                                               torch.full((b, 1), i))  # fmt: skip
+            torch.testing.assert_close(draft.logits(chains[j][:, s]), logits[:, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_config_refuses_bad_values():
@@ -146,32 +148,13 @@ def test_feature_drafting_equals_hf_greedy_alone_combined_and_in_a_batch(trained
     on prompts it was trained on (where it drafts well: tau > 1.5) and on unseen ones; a batch of rows
     of different lengths equals each row alone."""
     import specpass
-    from conftest import padded
     from specpass.drafters import Combined, Feature, PromptLookup, TokenRecycling
     from specpass.rewrites import FeatureDraft, TreeAttention
 
     model, corpus, _, directory, *_ = trained
+    combined = Combined(Feature(top_k=4, beam=4, depth=4), PromptLookup(), TokenRecycling())
     pipeline = specpass.Pipeline(TreeAttention(16), FeatureDraft(directory))
-    prompts = [c.tokens[: c.start + 1][None] for c in corpus[:3]]
-    prompts += [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
-    taus = []
-    for drafter in (Feature(), Combined(Feature(top_k=4, beam=4, depth=4), PromptLookup(), TokenRecycling())):
-        options = {"pipeline": pipeline, "drafter": drafter, "cache_size": 96, "budget": 12}
-        for ids in prompts:
-            out = specpass.generate(model, ids, max_new_tokens=24, eos_token_id=[], options=options)
-            reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                       eos_token_id=None)  # fmt: skip
-            assert torch.equal(out.sequences, reference)
-            taus.append(out.stats.tau)
-    assert min(taus[:3]) > 1.5, taus
-    program = specpass.compile_program(model, {"pipeline": pipeline, "drafter": Feature(), "cache_size": 96,
-                                              "budget": 12}, rows=3)  # fmt: skip
-    rows = [prompts[0], prompts[3], prompts[4]]  # 6, 5 and 11 tokens
-    ids, mask = padded(rows)
-    batch = specpass.generate(program, ids, 20, attention_mask=mask, eos_token_id=[])
-    for row, new in zip(rows, batch.new_tokens):
-        alone = model.generate(row, max_new_tokens=20, do_sample=False, eos_token_id=None)
-        assert list(new) == alone[0, row.shape[1] :].tolist()
+    check_drafting_equals_hf_greedy(model, corpus, pipeline, Feature(), combined)
 
 
 def test_cli_refuses_options_of_other_kinds(capsys):
@@ -245,7 +228,7 @@ def test_the_pass_adds_the_features_output_and_a_draft_graph_equal_to_the_module
             torch.randn(n, kv, s, d), torch.randn(n, kv, s, d), torch.rand(n, t, s + t) < 0.7)  # fmt: skip
     args[5][..., s:] |= torch.eye(t, dtype=torch.bool)  # every query sees itself
     out, keys, values = layer.extend(model.model.embed_tokens(args[0]), *args[1:])
-    graph_out = draft(*args)
+    graph_out = draft(*args, torch.randint(0, 3, (n, t)))  # depth: one step of the layer whatever it is
     for a, b in zip(graph_out, (out, layer.logits(out), layer.draft_vocab, keys, values)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -270,7 +253,7 @@ def test_the_draft_graph_padded_to_its_bucket_equals_the_call(saved_draft, n, t,
     mask[..., s:] = torch.ones(t, t, dtype=torch.bool).tril()
     inputs = dict(tokens=torch.randint(0, 96, (n, t)), states=torch.randn(n, t, 32),
                   positions=torch.tensor(lengths)[:, None] + torch.arange(t), past_keys=torch.randn(n, kv, s, d),
-                  past_values=torch.randn(n, kv, s, d), mask=mask)  # fmt: skip
+                  past_values=torch.randn(n, kv, s, d), mask=mask, depth=torch.randint(0, 2, (n, t)))  # fmt: skip
     plain = program.draft(**inputs)
     padded = call_in_buckets(program.draft.spec, inputs, lambda bucket, padded_inputs: program.draft.run(padded_inputs))
     for name, a, b in zip(program.draft.spec.output_names, padded, plain):
@@ -371,16 +354,7 @@ def test_feature_sampling_equals_one_node_sampling_with_the_same_seed(trained):
 
     model, corpus, _, directory, *_ = trained
     pipeline = specpass.Pipeline(TreeAttention(16), FeatureDraft(directory))
-    speculative = {"pipeline": pipeline, "drafter": Feature(), "cache_size": 96, "budget": 12}
-    plain = {"pipeline": pipeline, "drafter": Feature(), "cache_size": 96, "budget": 1}
-    taus = []
-    for seed, c in enumerate(corpus[:3]):
-        ids = c.tokens[: c.start + 1][None]
-        settings = dict(do_sample=True, temperature=0.5, seed=seed, eos_token_id=[])
-        out = specpass.generate(model, ids, 24, options=speculative, **settings)
-        assert torch.equal(out.sequences, specpass.generate(model, ids, 24, options=plain, **settings).sequences)
-        taus.append(out.stats.tau)
-    assert sum(taus) / len(taus) > 1.2, taus
+    check_sampling_equals_one_node_sampling(model, corpus, pipeline, Feature())
 
 
 def _session_parts(trained, prompt_length: int):
