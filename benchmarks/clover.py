@@ -20,6 +20,7 @@ import torch
 
 import specpass
 from specpass.drafters import Combined, Feature, Heads, PromptLookup, TokenRecycling
+from specpass.heads.io import read_feature_config
 from specpass.research import prompts as P
 from specpass.research.bench import run_identity, timed_generations, write_report
 from specpass.rewrites import DraftHeads, FeatureDraft, TreeAttention
@@ -36,6 +37,12 @@ def configurations(clover: str, eagle3: str | None) -> dict[str, dict]:
         configs[f"{name}_combined"] = {"pipeline": specpass.Pipeline(TreeAttention(64), draft),
                                        "drafter": Combined(alone, PromptLookup(), TokenRecycling())}  # fmt: skip
     return configs
+
+
+def _trained(directory: str) -> dict:
+    """What a trained draft is (its design and held-out top-1 by depth), not where it was written."""
+    config = read_feature_config(directory)
+    return {"design": config.design, "held_out_top1_by_depth": [row[0] for row in config.accuracy]}
 
 
 def main() -> None:
@@ -76,7 +83,8 @@ def main() -> None:
         **run_identity(torch.device("cpu")),
         "prompts": f"HumanEval[120:{120 + args.prompts}] raw, chat summaries [0:{args.prompts}]",
         "max_new_tokens": args.max_new_tokens,
-        "drafts": {"clover": args.clover, "eagle3_same_recipe": args.eagle3, "hydra": "shipped", "feature": "shipped"},
+        "drafts": {"hydra": "shipped", "feature": "shipped", "clover": _trained(args.clover),
+                   "eagle3_same_recipe": _trained(args.eagle3) if args.eagle3 else None},  # fmt: skip
         "trees": "TreeAttention(64), the tree size per step from the measured cost curve (the CPU default)",
         "results": results,
     }

@@ -9,7 +9,8 @@ section was not reachable here):
   cos(q_h, k_h); out = x + v * gate.
 - Augmenting Block: a decoder layer (causal self-attention over the draft's own KV cache of the
   prefix, then a gated-SiLU MLP) over the fused states of the committed positions, initialised from
-  the target's last layer, then a norm: S0[s] = norm(Augment(Fuse0(h[s], e(x[s+1])))). It runs at
+  the target's last layer with its two output projections zeroed (so it starts as the identity), then
+  a norm: S0[s] = norm(Augment(Fuse0(h[s], e(x[s+1])))). It runs at
   committed positions only; head 0 reads it: o0 = W0 S0 (predicts x[s+2]).
 - Regressive Connection: every later head runs one shared cell on the previous head's state and the
   token that head drafted: S_j = Fuse(S_{j-1}, e(token)), o_j = W [S_j; e(token)] (predicts the next
@@ -143,8 +144,11 @@ class CloverDraft(nn.Module):
 def initialise_clover(draft: CloverDraft, model: nn.Module) -> None:
     """Clover's start: fusion gates near the identity (q, k = I + small noise, v small), the head-0
     projection near the identity and the chain's on the state's half, the Augmenting Block copied from
-    the target's last decoder layer where its weights have the same shapes (a Llama-style layer), its
-    output norm from the target's final norm (the head and the final norm: as for any feature draft)."""
+    the target's last decoder layer where its weights have the same shapes (a Llama-style layer) with
+    its attention and MLP output projections zeroed, its output norm from the target's final norm (the
+    head and the final norm: as for any feature draft). The zeroed projections are this package's
+    choice (the public code copies the layer as it is, which feeds head 0 the last layer applied to
+    states it never sees: head 0 learned several times slower; docs/experiments.md, "Clover")."""
     h = draft.config.hidden_size
     eye = torch.eye(h)
     for fusion in (draft.root_fusion, draft.chain_fusion):
@@ -164,4 +168,6 @@ def initialise_clover(draft: CloverDraft, model: nn.Module) -> None:
         source = target.get(sources.get(name, ""))
         if source is not None and source.shape == param.shape:
             param.copy_(source.float())
+    draft.augment.o_proj.weight.zero_()  # the block starts as the identity on its residual stream
+    draft.augment.down_proj.weight.zero_()
     draft.augment_norm.weight.copy_(model.model.norm.weight.float())

@@ -134,9 +134,9 @@ def check_drafting_equals_hf_greedy(model, corpus, pipeline, alone, combined) ->
         assert list(new) == alone_tokens[0, row.shape[1] :].tolist()
 
 
-def check_sampling_equals_one_node_sampling(model, corpus, pipeline, drafter) -> None:
+def check_sampling_equals_one_node_sampling(model, corpus, pipeline, drafter, min_tau: float = 1.2) -> None:
     """Sample-and-match over the drafter's tree: with the same seed, the same tokens as sampling one token a
-    step (a budget of 1), on three prompts of `corpus`, drafting well there (mean tau > 1.2)."""
+    step (a budget of 1), on three prompts of `corpus`, with drafts accepted there (mean tau > min_tau)."""
     import specpass
 
     speculative = {"pipeline": pipeline, "drafter": drafter, "cache_size": 96, "budget": 12}
@@ -148,7 +148,7 @@ def check_sampling_equals_one_node_sampling(model, corpus, pipeline, drafter) ->
         out = specpass.generate(model, ids, 24, options=speculative, **settings)
         assert torch.equal(out.sequences, specpass.generate(model, ids, 24, options=plain, **settings).sequences)
         taus.append(out.stats.tau)
-    assert sum(taus) / len(taus) > 1.2, taus
+    assert sum(taus) / len(taus) > min_tau, taus
 
 
 def at_once(calls: list) -> list:
