@@ -10,8 +10,8 @@ section was not reachable here):
 - Augmenting Block: a decoder layer (causal self-attention over the draft's own KV cache of the
   prefix, then a gated-SiLU MLP) over the fused states of the committed positions, initialised from
   the target's last layer with its two output projections zeroed (so it starts as the identity), then
-  a norm: S0[s] = norm(Augment(Fuse0(h[s], e(x[s+1])))). It runs at
-  committed positions only; head 0 reads it: o0 = W0 S0 (predicts x[s+2]).
+  a norm: S0[s] = norm(Augment(Fuse0(h[s], e(x[s+1])))). It runs at committed positions only; head 0
+  reads it: o0 = W0 S0 (predicts x[s+2]).
 - Regressive Connection: every later head runs one shared cell on the previous head's state and the
   token that head drafted: S_j = Fuse(S_{j-1}, e(token)), o_j = W [S_j; e(token)] (predicts the next
   token), so a path is drafted token by token without attention.
