@@ -63,11 +63,12 @@ def main() -> None:
     keys, values = torch.randn(1, kv, p, d), torch.randn(1, kv, p, d)
     n = args.beam
     depth_inputs = (torch.randint(0, 8192, (1, n)), torch.randn(1, n, h), torch.full((1, n), p), keys, values,
-                    torch.ones(1, n, p + n, dtype=torch.bool), torch.ones(1, n, dtype=torch.long))  # fmt: skip
+                    torch.ones(1, n, p + n, dtype=torch.bool), torch.ones(1, n, dtype=torch.long),
+                    torch.randint(0, 8192, (1, n, 2)))  # fmt: skip
     depth_ms = _median_ms(lambda: program.draft(*depth_inputs), args.repeats)
     mask = torch.ones(1, 3, p + 3, dtype=torch.bool)
     append_inputs = (torch.randint(0, 8192, (1, 3)), torch.randn(1, 3, h), torch.arange(p, p + 3)[None], keys, values,
-                     mask, torch.zeros(1, 3, dtype=torch.long))  # fmt: skip
+                     mask, torch.zeros(1, 3, dtype=torch.long), torch.randint(0, 8192, (1, 3, 2)))  # fmt: skip
     append_ms = _median_ms(lambda: program.draft(*append_inputs), args.repeats)
     report = {
         **bench.run_identity(torch.device("cpu")),

@@ -1,5 +1,5 @@
-"""Feature-draft candidates for the tree (EAGLE-2's dynamic tree over an EAGLE-3 style draft layer or
-Clover's draft, rewrites.FeatureDraft: the same calls drive either).
+"""Feature-draft candidates for the tree (EAGLE-2's dynamic tree over an EAGLE-3 style draft layer,
+Clover's or Chimera's draft, rewrites.FeatureDraft: the same calls drive each).
 
 Each session (one row) keeps the draft's KV cache of the verified prefix (step 0 at every committed
 position, from the step's declared features output); a verify step's accepted path is appended lazily,
@@ -9,7 +9,8 @@ attending to the prefix cache and its own ancestors' keys. Every expanded path o
 children, scored by draft probability calibrated per depth against what the target accepts, so the
 best-first builder keeps the likeliest nodes overall and merges them with other drafters'. Rows at once
 (`FeatureSession.draft_rows`): a batch's sessions append and expand in the same calls, each row's cache
-right-padded to the longest with the padding masked; a row alone runs the same code.
+right-padded to the longest with the padding masked; a row alone runs the same code. Every token a
+call hands the draft comes with the two tokens before it (committed, or its drafted ancestors).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from .base import Drafter, check_params
 from .contract import DraftModel, DraftSession, TargetForward
-from .heads import CandidateTable, HeadStats
+from .heads import CandidateTable, HeadStats, calibrated
 from .tree import DraftTree
 from ..common.errors import InvalidParameterError
 from ..ir.draft import FEATURE_KIND
@@ -50,6 +51,10 @@ class Feature(Drafter):
             raise InvalidParameterError(
                 f"the Feature drafter needs a feature draft in the pipeline (it has {found}): add rewrites.FeatureDraft()"
             )
+        heads = draft.config.parallel_heads
+        if heads and self.depth > heads:
+            raise InvalidParameterError(f"Feature(depth={self.depth}) drafts deeper than this Chimera draft's {heads} "
+                                        f"heads: choose depth <= {heads}")  # fmt: skip
         return FeatureSession(self, draft, prompt, prefill)
 
 
@@ -63,13 +68,16 @@ class FeatureSession(DraftSession):
         empty = features.new_zeros(1, layer.num_kv_heads, 0, layer.head_dim)
         self.keys, self.values = empty, empty  # [1, nkv, S, d]: step 0 at every committed position
         self.root = int(prefill.choices[-1])
-        self.pending: tuple[list[int], torch.Tensor] | None = ([*prompt[1:], self.root], features)
+        # the tokens to append, their features [n, H], and the two committed tokens before them
+        self.pending: tuple[list[int], torch.Tensor, list[int]] | None = ([*prompt[1:], self.root], features,
+                                                                          _last_two(prompt[:1]))  # fmt: skip
+        self.before_root = -1  # the committed token before the root (-1: none)
         self.state = self.logits = self.vocab = None  # [H], [D], [D]: the cache's last output
         self.table: dict[tuple[int, ...], list] | None = None  # drafted by draft_rows, not yet handed out
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         bonus = int(verified.choices[path[-1]])
-        self.pending = (tree.tokens[list(path[1:])].tolist() + [bonus], verified.hidden[list(path)])
+        self.pending = (tree.tokens[list(path[1:])].tolist() + [bonus], verified.hidden[list(path)], _last_two(tokens))
         self.root, self.table = bonus, None
 
     def candidates(self, tokens: Sequence[int]):
@@ -96,9 +104,11 @@ class FeatureSession(DraftSession):
         top = logits.float().softmax(-1).topk(min(self.config.top_k, logits.shape[-1]), dim=-1)
         return self.vocab[top.indices].tolist(), top.values.tolist()
 
-    def _scored(self, depth: int, tokens: list[int], probs: list[float]) -> list[tuple]:
-        return [(t, self.stats.calibration(depth, p), (depth, r, p), None)
-                for r, (t, p) in enumerate(zip(tokens, probs))]  # fmt: skip
+
+
+def _last_two(tokens: Sequence[int]) -> list[int]:
+    """The last two of `tokens`, -1 for each missing."""
+    return ([-1, -1] + [int(t) for t in tokens[-2:]])[-2:]
 
 
 def _padded_caches(sessions: Sequence[FeatureSession]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -125,17 +135,22 @@ def _append_rows(sessions: Sequence[FeatureSession]) -> None:
     device = keys.device
     mask = np.zeros((rows, n, cached + n), dtype=bool)
     tokens = np.zeros((rows, n), dtype=np.int64)
+    previous = np.full((rows, n, 2), -1, dtype=np.int64)
     positions = np.zeros((rows, n), dtype=np.int64)
     features = keys.new_zeros(rows, n, sessions[0].pending[1].shape[-1])  # [R, n, H]
     for r, (s, length, count) in enumerate(zip(sessions, lengths, counts)):
         mask[r, :, :length] = True
         mask[r, :, cached : cached + n] = np.tril(np.ones((n, n), dtype=bool))
-        tokens[r, :count] = s.pending[0]
+        sequence = np.array(s.pending[2] + s.pending[0], dtype=np.int64)  # the two before, then the new tokens
+        tokens[r, :count] = sequence[2:]
+        previous[r, :count] = np.stack((sequence[:count], sequence[1 : count + 1]), -1)
         positions[r] = np.arange(length, length + n)
         features[r, :count] = s.pending[1]
+        s.before_root = int(sequence[-2])
     states, logits, vocab, keys, values = sessions[0].draft(
         torch.from_numpy(tokens).to(device), features, torch.from_numpy(positions).to(device), keys, values,
-        torch.from_numpy(mask).to(device), torch.zeros(rows, n, dtype=torch.long, device=device))  # fmt: skip
+        torch.from_numpy(mask).to(device), torch.zeros(rows, n, dtype=torch.long, device=device),
+        torch.from_numpy(previous).to(device))  # fmt: skip
     for r, (s, length, count) in enumerate(zip(sessions, lengths, counts)):
         if rows == 1:  # nothing padded
             s.keys, s.values = keys, values
@@ -158,7 +173,7 @@ def _expand_rows(sessions: Sequence[FeatureSession]) -> list[dict[tuple[int, ...
     scored: list[list] = []
     tokens, probs = sessions[0]._ranked(torch.stack([s.logits for s in sessions]))  # [R, D] rows
     for r, s in enumerate(sessions):
-        tables[r][(s.root,)] = s._scored(0, tokens[r], probs[r])
+        tables[r][(s.root,)] = calibrated(s.stats, 0, tokens[r], probs[r])
         scored.append([((s.root, t), p) for t, p in zip(tokens[r], probs[r])])
     for depth in range(1, config.depth):
         frontiers = [sorted(row, key=lambda item: -item[1])[: config.beam] for row in scored]
@@ -168,6 +183,7 @@ def _expand_rows(sessions: Sequence[FeatureSession]) -> list[dict[tuple[int, ...
         cached = keys.shape[2]
         mask = np.zeros((rows, n, cached + n), dtype=bool)
         inputs = np.zeros((rows, n), dtype=np.int64)
+        previous = np.full((rows, n, 2), -1, dtype=np.int64)
         positions = np.zeros((rows, n), dtype=np.int64)
         parents = keys.new_zeros(rows, n, sessions[0].state.shape[-1])  # [R, n, H]
         for r, frontier in enumerate(frontiers):
@@ -178,10 +194,12 @@ def _expand_rows(sessions: Sequence[FeatureSession]) -> list[dict[tuple[int, ...
                 for j in range(2, len(path)):  # its ancestors' expansion keys
                     mask[r, i, key_of[r][path[:j]]] = True
                 inputs[r, i] = path[-1]
+                previous[r, i] = ((sessions[r].before_root,) + path)[-3:-1]
                 parents[r, i] = state_of[r][path[:-1]]
         states, logits, _, keys, values = sessions[0].draft(
             torch.from_numpy(inputs).to(device), parents, torch.from_numpy(positions).to(device), keys, values,
-            torch.from_numpy(mask).to(device), torch.full((rows, n), depth, dtype=torch.long, device=device))  # fmt: skip
+            torch.from_numpy(mask).to(device), torch.full((rows, n), depth, dtype=torch.long, device=device),
+            torch.from_numpy(previous).to(device))  # fmt: skip
         tokens, probs = sessions[0]._ranked(logits.flatten(0, 1))  # [R * n] rows
         scored = []
         for r, (s, frontier) in enumerate(zip(sessions, frontiers)):
@@ -189,7 +207,7 @@ def _expand_rows(sessions: Sequence[FeatureSession]) -> list[dict[tuple[int, ...
             for i, (path, score) in enumerate(frontier):
                 row_tokens, row_probs = tokens[r * n + i], probs[r * n + i]
                 state_of[r][path], key_of[r][path] = states[r, i], cached + i
-                tables[r][path] = s._scored(depth, row_tokens, row_probs)
+                tables[r][path] = calibrated(s.stats, depth, row_tokens, row_probs)
                 row += [((*path, t), score * p) for t, p in zip(row_tokens, row_probs)]
             scored.append(row)
     return tables

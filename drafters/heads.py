@@ -122,11 +122,10 @@ class HeadsSession(DraftSession):
         calibrated draft probability (dynamic tree) or the measured acceptance rate of that depth and
         rank (static; for draws, the running minimum over ranks, so later draws never outrank earlier ones)."""
         if self.config.tree == "dynamic":
-            score = [self.stats.calibration(depth, p) for p in probs]
-        else:
-            score = [self.stats.rate((depth, r)) for r in range(len(tokens))]
-            if self.config.draws:
-                score = [min(score[: r + 1]) for r in range(len(score))]
+            return calibrated(self.stats, depth, tokens, probs, drawn)
+        score = [self.stats.rate((depth, r)) for r in range(len(tokens))]
+        if self.config.draws:
+            score = [min(score[: r + 1]) for r in range(len(score))]
         return [(t, s, (depth, r, p), d) for r, (t, s, p, d) in enumerate(zip(tokens, score, probs, drawn))]
 
     def _ranked(self, logits: torch.Tensor, vocab: torch.Tensor) -> tuple[list[list[int]], list[list[float]], list[list]]:
@@ -195,6 +194,14 @@ def _hydra(sessions: Sequence[HeadsSession]) -> list[dict[tuple[int, ...], list]
                 scored += [((*path, token), score * p) for token, p, _, _ in tables[j][path]]
             frontiers[j] = sorted(scored, key=lambda item: -item[1])[: s.config.beam]
     return tables
+
+
+def calibrated(stats: HeadStats, depth: int, tokens: list[int], probs: list[float],
+               drawn: Sequence[Drawn | None] | None = None) -> list[tuple[int, float, tuple, Drawn | None]]:  # fmt: skip
+    """Ranked tokens of one depth as candidates (token, score, stats key, drawn), each scored by its
+    draft probability calibrated against what the target accepted at that depth (a dynamic tree)."""
+    drawn = drawn or [None] * len(tokens)
+    return [(t, stats.calibration(depth, p), (depth, r, p), d) for r, (t, p, d) in enumerate(zip(tokens, probs, drawn))]
 
 
 class HeadStats(AcceptanceStats):

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .feature_draft import FeatureDraftConfig, RMSNorm, rotary
-from ..ir.decode_step import ApplyRope
+from .decoder_layer import DraftDecoderLayer, copy_target_layer
+from .feature_draft import FeatureDraftConfig, RMSNorm
 
 
 class GatedFusion(nn.Module):
@@ -51,45 +51,6 @@ class GatedFusion(nn.Module):
         return x + (v * gate).flatten(-2)
 
 
-class AugmentingBlock(nn.Module):
-    """A Llama-style decoder layer over the draft's own KV cache (rotary at the target's base)."""
-
-    def __init__(self, config: FeatureDraftConfig):
-        super().__init__()
-        self.config = config
-        h, heads, kv, dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.input_norm = RMSNorm(h, config.rms_eps)
-        self.q_proj = nn.Linear(h, heads * dim, bias=False)
-        self.k_proj = nn.Linear(h, kv * dim, bias=False)
-        self.v_proj = nn.Linear(h, kv * dim, bias=False)
-        self.o_proj = nn.Linear(heads * dim, h, bias=False)
-        self.mlp_norm = RMSNorm(h, config.rms_eps)
-        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
-        self.rope = ApplyRope(dim, dim)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """x [B, T, H] at positions [B, T] after a cache past_keys, past_values [B, nkv, S, d], attending
-        where mask [B or 1, T, S + T] -> (outputs [B, T, H], keys, values [B, nkv, S + T, d])."""
-        c = self.config
-        b, t, _ = x.shape
-        normed = self.input_norm(x)
-        q = self.q_proj(normed).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)  # [B, nh, T, d]
-        k = self.k_proj(normed).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, nkv, T, d]
-        v = self.v_proj(normed).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rotary(positions, c.head_dim, c.rope_theta, q.dtype)  # [B, T, d]
-        q, k = self.rope(q, k, cos, sin)
-        keys, values = torch.cat((past_keys, k), 2), torch.cat((past_values, v), 2)
-        groups = c.num_heads // c.num_kv_heads
-        attended = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, 1),
-                                                  values.repeat_interleave(groups, 1), attn_mask=mask[:, None])  # fmt: skip
-        hidden = x + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
-        mlp_in = self.mlp_norm(hidden)
-        return hidden + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)), keys, values
-
-
 class CloverDraft(nn.Module):
     """Clover's draft (module docstring). `draft_vocab` [D] buffer: the token id of each head row."""
 
@@ -98,7 +59,7 @@ class CloverDraft(nn.Module):
         self.config = config
         h, heads, eps = config.hidden_size, config.num_heads, config.rms_eps
         self.root_fusion = GatedFusion(h, heads, eps)
-        self.augment = AugmentingBlock(config)
+        self.augment = DraftDecoderLayer(config)
         self.augment_norm = RMSNorm(h, eps)
         self.root_out = nn.Linear(h, h, bias=False)
         self.chain_fusion = GatedFusion(h, heads, eps)
@@ -108,10 +69,11 @@ class CloverDraft(nn.Module):
         self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab, dtype=torch.long))
 
     def draft_step(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor,
-                   past_values: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor):  # fmt: skip
+                   past_values: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor, previous: torch.Tensor):  # fmt: skip
         """One draft call (FeatureDraftStep): embeds, states [B, T, H] (the target's h at depth 0, else
-        the parent's state), depth [B, T] -> (states [B, T, H], logits [B, T, D], keys, values [B, nkv, S + T, d]).
-        Both parts run on every token (one static graph); `depth` picks each token's."""
+        the parent's state), depth [B, T] (`previous`: unread) -> (states [B, T, H], logits [B, T, D],
+        keys, values [B, nkv, S + T, d]). Both parts run on every token (one static graph); `depth`
+        picks each token's."""
         augmented, keys, values = self.augment(self.root_fusion(states, embeds), positions, past_keys, past_values, mask)
         root = self.augment_norm(augmented)  # [B, T, H]: S0
         chained = self.chain_fusion(states, embeds)  # [B, T, H]: S_j
@@ -123,10 +85,11 @@ class CloverDraft(nn.Module):
         """Draft-vocabulary logits [..., D] of head outputs o [..., H]."""
         return self.head(self.final_norm(out))
 
-    def forward_chains(self, features: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward_chains(self, features: torch.Tensor, embeds: torch.Tensor, previous: torch.Tensor,
+                       steps: int) -> list[torch.Tensor]:  # fmt: skip
         """The training-time chains: features [B, T, H] (the target's h at positions 0..T-1), embeds
-        [B, T, H] (of x[1..T]) -> each depth's head outputs o_j [B, T, H] (depth j at position s reads
-        depth j-1's state at s - 1; positions s < j hold garbage no valid position reads)."""
+        [B, T, H] (of x[1..T]; `previous`: unread) -> each depth's head outputs o_j [B, T, H] (depth j at
+        position s reads depth j-1's state at s - 1; positions s < j hold garbage no valid position reads)."""
         b, t, _ = features.shape
         positions = torch.arange(t, device=features.device).expand(b, t)
         empty = features.new_zeros(b, self.config.num_kv_heads, 0, self.config.head_dim)
@@ -159,15 +122,5 @@ def initialise_clover(draft: CloverDraft, model: nn.Module) -> None:
             proj.bias.zero_()
     draft.root_out.weight.copy_(eye + 0.01 * torch.rand(h, h))
     draft.chain_out.weight.copy_(torch.cat((eye, torch.zeros(h, h)), 1) + 0.01 * torch.rand(h, 2 * h))
-    last = model.model.layers[-1]
-    sources = {"input_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-               **{f"{p}.weight": f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-               **{f"{p}.weight": f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}}  # fmt: skip
-    target = last.state_dict()
-    for name, param in draft.augment.named_parameters():
-        source = target.get(sources.get(name, ""))
-        if source is not None and source.shape == param.shape:
-            param.copy_(source.float())
-    draft.augment.o_proj.weight.zero_()  # the block starts as the identity on its residual stream
-    draft.augment.down_proj.weight.zero_()
+    copy_target_layer(draft.augment, model, -1)  # zeroed output projections: the identity to start
     draft.augment_norm.weight.copy_(model.model.norm.weight.float())

@@ -22,16 +22,18 @@ from torch import nn
 from ..common.errors import InvalidParameterError, require_positive_ints
 from ..ir.decode_step import ApplyRope
 
-DESIGNS = ("eagle3", "clover")  # the draft layers of this interface: this module's, heads.clover's
+DESIGNS = ("eagle3", "clover", "chimera")  # this interface's drafts: this module's, heads.clover's, heads.chimera's
 
 
 @dataclass(frozen=True)
 class FeatureDraftConfig:
     """What a feature draft is, the model it belongs to, and how accurate it measured.
 
-    design: "eagle3" (this module's layer, over three feature layers) or "clover" (heads.clover, over
-    the final normed state: no feature layers). accuracy[d][r]: on held-out data, how often the draft's rank-r token at depth d + 1 of a chain
-    (drafted from its own states, the target's tokens fed back) was the target's greedy token."""
+    design: "eagle3" (this module's layer, over three feature layers), "clover" (heads.clover) or
+    "chimera" (heads.chimera), both over the final normed state: no feature layers. parallel_heads:
+    Chimera's residual decoding heads, one per depth (0 for the others). accuracy[d][r]: on held-out
+    data, how often the draft's rank-r token at depth d + 1 of a chain (drafted from its own states, the
+    target's tokens fed back) was the target's greedy token."""
 
     hidden_size: int
     vocab_size: int
@@ -46,6 +48,7 @@ class FeatureDraftConfig:
     model: str  # identity of the model: heads.io.model_fingerprint
     accuracy: tuple[tuple[float, ...], ...] = ()
     design: str = "eagle3"
+    parallel_heads: int = 0
 
     def __post_init__(self):
         require_positive_ints(self, ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
@@ -55,10 +58,14 @@ class FeatureDraftConfig:
         if self.num_heads % self.num_kv_heads:
             raise InvalidParameterError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                                         f"({self.num_kv_heads})")  # fmt: skip
-        if self.design == "clover":
+        if (self.design == "chimera") != (self.parallel_heads > 0):
+            raise InvalidParameterError(f"parallel_heads ({self.parallel_heads}) is Chimera's head count: positive "
+                                        f"for a Chimera draft, 0 for a {self.design} one")  # fmt: skip
+        if self.design != "eagle3":
             if self.feature_layers:
-                raise InvalidParameterError(f"a Clover draft reads the final normed state, not layers {self.feature_layers}")
-            if self.hidden_size % self.num_heads:
+                raise InvalidParameterError(f"a {self.design} draft reads the final normed state, not layers "
+                                            f"{self.feature_layers}")  # fmt: skip
+            if self.design == "clover" and self.hidden_size % self.num_heads:
                 raise InvalidParameterError(f"Clover's fusion splits hidden_size ({self.hidden_size}) into num_heads "
                                             f"({self.num_heads}) parts")  # fmt: skip
         elif len(self.feature_layers) != 3 or len(set(self.feature_layers)) != 3:
@@ -76,7 +83,8 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     return low, middle, max(num_layers - 3, middle + 1)
 
 
-def config_for(model: nn.Module, draft_vocab: int, model_id: str, design: str = "eagle3") -> FeatureDraftConfig:
+def config_for(model: nn.Module, draft_vocab: int, model_id: str, design: str = "eagle3",
+               parallel_heads: int = 0) -> FeatureDraftConfig:  # fmt: skip
     """The draft's config for a HF causal LM: the target's attention shape and rotary base, its MLP width."""
     c = model.config
     params = getattr(c, "rope_parameters", None) or {}
@@ -89,12 +97,13 @@ def config_for(model: nn.Module, draft_vocab: int, model_id: str, design: str = 
         num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
         intermediate_size=c.intermediate_size,
-        feature_layers=() if design == "clover" else default_feature_layers(c.num_hidden_layers),
+        feature_layers=default_feature_layers(c.num_hidden_layers) if design == "eagle3" else (),
         draft_vocab=min(draft_vocab, c.vocab_size),
         rope_theta=float(theta),
         rms_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
         model=model_id,
         design=design,
+        parallel_heads=parallel_heads,
     )
 
 
@@ -175,9 +184,10 @@ class FeatureDraftLayer(nn.Module):
         return self.finish(states, q, keys, values, mask), keys, values
 
     def draft_step(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor,
-                   past_values: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor):  # fmt: skip
+                   past_values: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor, previous: torch.Tensor):  # fmt: skip
         """One draft call (FeatureDraftStep): `extend` and its logits; every token is one step of this
-        layer whatever its depth [B, T] -> (states [B, T, H], logits [B, T, D], keys, values)."""
+        layer whatever its depth [B, T]; it reads no earlier tokens' embeddings (`previous`, [B, T, 2, H])
+        -> (states [B, T, H], logits [B, T, D], keys, values)."""
         out, keys, values = self.extend(embeds, states, positions, past_keys, past_values, mask)
         return out, self.logits(out), keys, values
 
@@ -185,10 +195,12 @@ class FeatureDraftLayer(nn.Module):
         """Draft-vocabulary logits [..., D] of output states [..., H]."""
         return self.head(self.final_norm(states))
 
-    def forward_chains(self, features: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward_chains(self, features: torch.Tensor, embeds: torch.Tensor, previous: torch.Tensor,
+                       steps: int) -> list[torch.Tensor]:  # fmt: skip
         """The training-time test: features [B, T, 3H] (the target's at positions 0..T-1), embeds
-        [B, T, H] (of x[1..T]), -> each step's output states [B, T, H] (step j at position s reads step
-        j-1's output at s - 1; positions s < j hold garbage no valid position reads)."""
+        [B, T, H] (of x[1..T]; `previous` [B, T, 2, H], of x[s-1], x[s]: unread here) -> each step's
+        output states [B, T, H] (step j at position s reads step j-1's output at s - 1; positions s < j
+        hold garbage no valid position reads)."""
         b, t, _ = features.shape
         positions = torch.arange(t, device=features.device).expand(b, t)
         states = self.fuse(features)  # [B, T, H]
@@ -215,23 +227,31 @@ def chain_mask(length: int, step: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, 1)
 
 
+def embed_previous(embed_tokens: nn.Module, previous: torch.Tensor) -> torch.Tensor:
+    """The embeddings [..., 2, H] of token ids previous [..., 2], zeros where an id is -1 (before the first token)."""
+    embeds = embed_tokens(previous.clamp_min(0))
+    return torch.where((previous >= 0)[..., None], embeds, torch.zeros_like(embeds))
+
+
 class FeatureDraftStep(nn.Module):
-    """The draft graph (rewrites.feature_draft): one `draft_step` of the draft (this module's layer or
-    heads.clover's).
+    """The draft graph (rewrites.feature_draft): one `draft_step` of the draft (this module's layer,
+    heads.clover's or heads.chimera's).
 
     Inputs: tokens [N, T] (x[s+1] of each position s), states [N, T, H] (the target's fused features for
     step 0, else the previous step's outputs), positions [N, T], the draft's own cache past_keys,
-    past_values [N, nkv, S, d], mask [N, T, S + T] (True: attend) and depth [N, T] (0: a committed
-    position, j: a token drafted at depth j). Outputs: states [N, T, H],
-    logits [N, T, D] over the draft vocabulary, its token ids vocab [D], and the cache with these
-    tokens appended, keys, values [N, nkv, S + T, d]. The token embedding is the target's (shared)."""
+    past_values [N, nkv, S, d], mask [N, T, S + T] (True: attend), depth [N, T] (0: a committed
+    position, j: a token drafted at depth j) and previous [N, T, 2] (the two tokens before each token
+    of `tokens`, committed or drafted; -1 before the first). Outputs: states [N, T, H], logits
+    [N, T, D] over the draft vocabulary, its token ids vocab [D], and the cache with these tokens
+    appended, keys, values [N, nkv, S + T, d]. The token embedding is the target's (shared)."""
 
     def __init__(self, layer: FeatureDraftLayer, embed_tokens: nn.Module):
         super().__init__()
         self.layer = layer
         self.embed_tokens = embed_tokens
 
-    def forward(self, tokens, states, positions, past_keys, past_values, mask, depth):
-        out, logits, keys, values = self.layer.draft_step(self.embed_tokens(tokens), states, positions, past_keys,
-                                                          past_values, mask, depth)  # fmt: skip
+    def forward(self, tokens, states, positions, past_keys, past_values, mask, depth, previous):
+        out, logits, keys, values = self.layer.draft_step(
+            self.embed_tokens(tokens), states, positions, past_keys, past_values, mask, depth,
+            embed_previous(self.embed_tokens, previous))  # fmt: skip
         return out, logits, self.layer.draft_vocab, keys, values

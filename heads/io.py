@@ -166,11 +166,13 @@ def read_feature_config(directory: str):
 
 
 def feature_draft_module(config) -> nn.Module:
-    """An untrained draft of `config`'s design: EAGLE-3's layer (heads.feature_draft) or Clover's (heads.clover)."""
+    """An untrained draft of `config`'s design: EAGLE-3's layer (heads.feature_draft), Clover's
+    (heads.clover) or Chimera's (heads.chimera)."""
+    from .chimera import ChimeraDraft
     from .clover import CloverDraft
     from .feature_draft import FeatureDraftLayer
 
-    return CloverDraft(config) if config.design == "clover" else FeatureDraftLayer(config)
+    return {"eagle3": FeatureDraftLayer, "clover": CloverDraft, "chimera": ChimeraDraft}[config.design](config)
 
 
 def load_feature_draft(directory: str, lm_head: nn.Module) -> nn.Module:

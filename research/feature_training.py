@@ -1,11 +1,11 @@
-"""Self-distillation of a feature draft (heads.feature_draft, or Clover's: heads.clover) with EAGLE-3's
-training-time test.
+"""Self-distillation of a feature draft (heads.feature_draft, or Clover's: heads.clover, or Chimera's:
+heads.chimera) with EAGLE-3's training-time test.
 
 1. Corpus: as for the heads (research.heads_training.generate_corpus: the training prompts and the model's greedy
    continuations), with the residual stream at the draft's three feature layers caught from the
    generation's own forwards (`Continuation.layer_states`) beside the final normed state; a corpus
-   cached as tokens gets both from one batched forward pass (`with_features`). A Clover draft reads
-   the final normed state only.
+   cached as tokens gets both from one batched forward pass (`with_features`). A Clover or Chimera
+   draft reads the final normed state only.
 2. Teacher: the model's own sparse law at every position (research.heads_training.teacher), restricted to the draft
    vocabulary and renormalised.
 3. Training: whole sequences at a time, batched by similar length (`length_batches`). Every step
@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common.errors import InvalidParameterError, require_positive_ints
-from ..heads.clover import CloverDraft, initialise_clover
-from ..heads.feature_draft import DESIGNS, FeatureDraftLayer, FeatureDraftConfig, config_for
+from ..heads.chimera import initialise_chimera
+from ..heads.clover import initialise_clover
+from ..heads.feature_draft import DESIGNS, FeatureDraftConfig, FeatureDraftLayer, config_for, embed_previous
 from ..heads.io import feature_draft_module, model_fingerprint
 from ..heads.modules import draft_vocabulary
 from .heads_training import Continuation, Teacher, _DraftVocabulary, cosine_adamw, forward_states, sparse_kl, teacher
@@ -63,12 +64,14 @@ class FeatureTrainConfig:
 @dataclass(frozen=True)
 class _Batch:
     """Sequences of one step on the draft's device, `width` positions s each: the features [B, W, F]
-    (3H: three layers' streams; H: Clover's final normed state)
-    (float32, zero past each one's length), the embeddings' tokens x[s+1] [B, W], the teacher's sparse
+    (3H: three layers' streams; H: the final normed state)
+    (float32, zero past each one's length), the embeddings' tokens x[s+1] [B, W] and the two before
+    them x[s-1], x[s] [B, W, 2] (-1: before the first), the teacher's sparse
     law over x[s+2] (probs, rows [B, W, TOP]), its greedy token [B, W], and the masks [B, W]."""
 
     features: torch.Tensor
     next_tokens: torch.Tensor
+    previous_tokens: torch.Tensor
     probs: torch.Tensor
     rows: torch.Tensor
     greedy: torch.Tensor
@@ -98,7 +101,9 @@ class _Sequences:
         for row, i in enumerate(indices.tolist()):
             length = min(width, len(self.features[i]))
             features[row, :length] = self.features[i][:length]
-        parts = (features, self.tokens[indices, 1 : width + 1], self.probs[indices, :width],
+        tokens = self.tokens[indices]  # [B, T + 1]: x[0..T]
+        previous = torch.stack((F.pad(tokens, (1, 0), value=-1)[:, :width], tokens[:, :width]), -1)  # [B, W, 2]
+        parts = (features, tokens[:, 1 : width + 1], previous, self.probs[indices, :width],
                  self.rows[indices, :width], self.greedy[indices, :width], self.valid[indices, :width],
                  self.generated[indices, :width])  # fmt: skip
         return _Batch(*(part.to(device) for part in parts))
@@ -166,7 +171,8 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
     if start is not None:
         draft, identity = start.float(), replace(start.config, accuracy=())
     else:
-        identity = config_for(model, config.draft_vocab, model_fingerprint(model.lm_head), config.design)
+        heads = config.steps if config.design == "chimera" else 0
+        identity = config_for(model, config.draft_vocab, model_fingerprint(model.lm_head), config.design, heads)
         if feature_layers is not None and config.design == "eagle3":
             identity = replace(identity, feature_layers=tuple(feature_layers))
         draft = make_feature_draft(model, identity, [seq.tokens for seq in corpus])
@@ -188,7 +194,8 @@ def train_feature_draft(model: nn.Module, corpus: list[Continuation], held_out: 
             batch = data.batch(indices, device)
             with torch.no_grad():
                 embeds = embed(batch.next_tokens)  # [B, T, H]: e(x[s+1])
-            outputs = draft.forward_chains(batch.features, embeds, config.steps)
+                previous = embed_previous(embed, batch.previous_tokens)  # [B, T, 2, H]: e(x[s-1]), e(x[s])
+            outputs = draft.forward_chains(batch.features, embeds, previous, config.steps)
             loss, top1 = _chain_loss(draft, outputs, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -216,19 +223,22 @@ def length_batches(lengths: torch.Tensor, size: int, generator: torch.Generator,
     return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
-def make_feature_draft(model: nn.Module, config: FeatureDraftConfig,
-                       sequences: list[torch.Tensor]) -> FeatureDraftLayer | CloverDraft:  # fmt: skip
+def make_feature_draft(model: nn.Module, config: FeatureDraftConfig, sequences: list[torch.Tensor]) -> nn.Module:
     """An untrained draft for `model`: its draft vocabulary the tokens most frequent in `sequences`, its
-    head initialised from those rows of the model's LM head and its final norm from the model's (a
-    Clover draft: heads.clover.initialise_clover, too)."""
+    head initialised from those rows of the model's LM head and its final norm (where it has one) from
+    the model's; a Clover or Chimera draft: its design's start too (heads.clover.initialise_clover,
+    heads.chimera.initialise_chimera)."""
     draft = feature_draft_module(config)
     vocab_ids = draft_vocabulary(sequences, config.vocab_size, config.draft_vocab)
     with torch.no_grad():
         if config.design == "clover":
             initialise_clover(draft, model)
+        elif config.design == "chimera":
+            initialise_chimera(draft, model)
         draft.draft_vocab.copy_(vocab_ids)
         draft.head.weight.copy_(model.lm_head.weight[vocab_ids.to(model.lm_head.weight.device)].float())
-        draft.final_norm.weight.copy_(model.model.norm.weight.float())
+        if hasattr(draft, "final_norm"):
+            draft.final_norm.weight.copy_(model.model.norm.weight.float())
     return draft
 
 
@@ -259,7 +269,8 @@ def measure_chain_accuracy(model: nn.Module, draft: FeatureDraftLayer, corpus: l
     device = draft.draft_vocab.device
     for indices in torch.arange(len(corpus)).split(8):
         batch = data.batch(indices, device)
-        outputs = draft.forward_chains(batch.features, embed(batch.next_tokens), steps)
+        outputs = draft.forward_chains(batch.features, embed(batch.next_tokens),
+                                       embed_previous(embed, batch.previous_tokens), steps)  # fmt: skip
         for j, states in enumerate(outputs):
             width = batch.generated.shape[1]
             start_generated = F.pad(batch.generated, (j, 0))[:, :width]  # the chain starts at s - j

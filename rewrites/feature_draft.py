@@ -1,16 +1,18 @@
-"""Feature draft: a trained draft layer over the target's states added to the step: EAGLE-3's
-(heads.feature_draft) or Clover's (heads.clover), chosen by the trained draft's design.
+"""Feature draft: a trained draft over the target's states added to the step: EAGLE-3's
+(heads.feature_draft), Clover's (heads.clover) or Chimera's (heads.chimera), chosen by the trained
+draft's design.
 
-Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.); Clover (Xiao et al.). For an EAGLE-3 draft the verify graph
-gains one declared output (ir.draft.add_step_output), DRAFT_STATES [B, T, H]: the draft's `fuse` over
-the residual streams entering its three feature layers, computed where those states are; a Clover draft
-reads the final normed states every step already returns, and the verify graph stays as it is. Either
+Papers: EAGLE, EAGLE-2, EAGLE-3 (Li et al.); Clover (Xiao et al.); Chimera (Zeng et al.). For a draft
+over feature layers (EAGLE-3's) the verify graph gains one declared output (ir.draft.add_step_output),
+DRAFT_STATES [B, T, H]: the draft's `fuse` over the residual streams entering its three feature layers,
+computed where those states are; a draft without feature layers (Clover's, Chimera's) reads the final
+normed states every step already returns, and the verify graph stays as it is. Either
 way the step's other outputs stay bit for bit. The step gains a draft graph of kind "feature"
 (`heads.feature_draft.FeatureDraftStep`): one call of the draft over its own KV cache, passed in and
 returned, with the model's token embedding (shared). On ONNX the declared output is one more output of
 model.onnx and the draft graph is draft.onnx (backends.onnx.draft). Refused, graph unchanged: a draft
 trained for another model, feature layers the model lacks, a second draft graph. `verify` checks the
-output is the fuse over exactly those streams (and that a Clover draft's step declares none).
+output is the fuse over exactly those streams (and that a draft without feature layers declares none).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class FeatureDraft(DraftGraphPass):
 
         layer = load_feature_draft(self.directory(), gm.get_submodule("lm_head"))
         config = layer.config
-        if config.design == "eagle3":
+        if config.feature_layers:
             self._add_features(gm, layer.fuse, config.feature_layers)
         draft = trace_draft(FeatureDraftStep(layer, gm.get_submodule("embed_tokens")), {"embed_tokens": Role.EMBED})
         arch = arch_of(gm)
@@ -95,6 +97,7 @@ class FeatureDraft(DraftGraphPass):
                 DraftTensor("past_values", (ROWS, kv, "S", d), "model"),
                 DraftTensor("mask", (ROWS, "T", "S+T"), "bool"),
                 DraftTensor("depth", (ROWS, "T"), "int64", bound=2),
+                DraftTensor("previous", (ROWS, "T", 2), "int64", bound=arch.vocab_size),
             ),
             outputs=(
                 DraftTensor("new_states", (ROWS, "T", h), "model"),
@@ -105,9 +108,11 @@ class FeatureDraft(DraftGraphPass):
             ),
             config=config,
         )
-        if config.design == "clover":
-            return draft, spec, f"a Clover draft (augmenting block, regressive heads), {vocab} draft tokens"
-        return draft, spec, f"a feature draft layer over layers {config.feature_layers}, {vocab} draft tokens"
+        what = {"eagle3": f"a feature draft layer over layers {config.feature_layers}",
+                "clover": "a Clover draft (augmenting block, regressive heads)",
+                "chimera": f"a Chimera draft (trigram encoder, full-context decoder, {config.parallel_heads} "
+                           "residual heads)"}[config.design]  # fmt: skip
+        return draft, spec, f"{what}, {vocab} draft tokens"
 
     @staticmethod
     def _add_features(gm: torch.fx.GraphModule, fuse: torch.nn.Module, layers: tuple[int, ...]) -> None:
@@ -130,18 +135,20 @@ class FeatureDraft(DraftGraphPass):
         return FeatureDraftConfig(**data)
 
     def verify(self, gm: torch.fx.GraphModule) -> None:
-        """An EAGLE-3 draft's step outputs `features`: its fuse over the streams entering the draft's three
-        layers; a Clover draft's step declares no such output (its draft reads the final normed states)."""
+        """A draft over feature layers: the step outputs `features`, its fuse over the streams entering
+        the draft's three layers; a draft without (Clover's, Chimera's): the step declares no such
+        output (its draft reads the final normed states)."""
         super().verify(gm)
         fused = step_output(gm, DRAFT_STATES)
-        if draft_spec(gm).config.design == "clover":
+        config = draft_spec(gm).config
+        if not config.feature_layers:
             if fused is not None:
-                _fail(f"a Clover draft reads the final normed states, but the step declares {DRAFT_STATES!r}")
+                _fail(f"a {config.design} draft reads the final normed states, but the step declares {DRAFT_STATES!r}")
             return
         if fused is None or fused.op != "call_module" or fused.target != FUSE_MODULE:
             _fail(f"the step lost its declared output {DRAFT_STATES!r} (the draft's fuse over its feature layers)")
         joined = fused.args[0]
-        layers = draft_spec(gm).config.feature_layers
+        layers = config.feature_layers
         expected = [layer_output(gm.graph, layer - 1) for layer in layers]
         if joined.target is not torch.cat or list(joined.args[0]) != expected:
             _fail(f"the {DRAFT_STATES!r} output does not read the streams entering layers {layers}")

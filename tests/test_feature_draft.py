@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (check_drafting_equals_hf_greedy, check_sampling_equals_one_node_sampling, peaked_four_layer_llama,
                       random_draft, train_tiny_feature_draft)
 
@@ -33,20 +34,26 @@ def test_chain_mask_is_the_definition():
             assert seen == expected
 
 
-@pytest.mark.parametrize("design", ["eagle3", "clover"])
+@pytest.mark.parametrize("design", ["eagle3", "clover", "chimera"])
 @torch.no_grad()
 def test_training_chains_equal_drafting_one_token_at_a_time(design):
     """Depth j at position s of forward_chains == decoding: one draft call over positions 0..s-j at depth 0
-    (the target's states: fused for EAGLE-3, as they are for Clover) filling the draft's cache, then j
-    drafted tokens, each a one-token call at its depth seeing everything so far."""
+    (the target's states: fused for EAGLE-3, as they are for the others) filling the draft's cache, then j
+    drafted tokens, each a one-token call at its depth seeing everything so far, each token with the
+    embeddings of the two before it (zeros before the first)."""
     from specpass.heads.io import feature_draft_module
 
-    config = _config() if design == "eagle3" else _config(feature_layers=(), design="clover")
+    designs = {"eagle3": {}, "clover": dict(feature_layers=(), design="clover"),
+               "chimera": dict(feature_layers=(), design="chimera", parallel_heads=4)}  # fmt: skip
+    config = _config(**designs[design])
     draft = random_draft(feature_draft_module(config))
     b, t, steps = 2, 9, 4
-    features, embeds = torch.randn(b, t, 3 * 16 if design == "eagle3" else 16), torch.randn(b, t, 16)
+    sequence = torch.randn(b, t + 1, 16)  # embeddings of x[0..T]
+    embeds = sequence[:, 1:]  # [B, T, H]: e(x[s+1])
+    previous = torch.stack((F.pad(sequence, (0, 0, 1, 0))[:, :t], sequence[:, :t]), 2)  # [B, T, 2, H]
+    features = torch.randn(b, t, 3 * 16 if design == "eagle3" else 16)
     roots = draft.fuse(features) if design == "eagle3" else features  # [B, T, H]
-    chains = draft.forward_chains(features, embeds, steps)
+    chains = draft.forward_chains(features, embeds, previous, steps)
     kv, d = config.num_kv_heads, config.head_dim
     for s in range(t):
         for j in range(min(steps, s + 1)):
@@ -55,13 +62,15 @@ def test_training_chains_equal_drafting_one_token_at_a_time(design):
             empty = torch.zeros(b, kv, 0, d)
             state, logits, keys, values = draft.draft_step(embeds[:, : start + 1], roots[:, : start + 1],
                                                            torch.arange(start + 1).expand(b, -1), empty, empty,
-                                                           causal, torch.zeros(b, start + 1, dtype=torch.long))  # fmt: skip
+                                                           causal, torch.zeros(b, start + 1, dtype=torch.long),
+                                                           previous[:, : start + 1])  # fmt: skip
             state, logits = state[:, -1:], logits[:, -1:]
             for i in range(1, j + 1):  # drafted token i sits at position start + i
                 see = torch.ones(b, 1, keys.shape[2] + 1, dtype=torch.bool)
                 state, logits, keys, values = draft.draft_step(embeds[:, start + i : start + i + 1], state,
                                                                torch.full((b, 1), start + i), keys, values, see,
-                                                               torch.full((b, 1), i))  # fmt: skip
+                                                               torch.full((b, 1), i),
+                                                               previous[:, start + i : start + i + 1])  # fmt: skip
             torch.testing.assert_close(draft.logits(chains[j][:, s]), logits[:, 0], rtol=1e-5, atol=1e-5)
 
 
@@ -228,7 +237,7 @@ def test_the_pass_adds_the_features_output_and_a_draft_graph_equal_to_the_module
             torch.randn(n, kv, s, d), torch.randn(n, kv, s, d), torch.rand(n, t, s + t) < 0.7)  # fmt: skip
     args[5][..., s:] |= torch.eye(t, dtype=torch.bool)  # every query sees itself
     out, keys, values = layer.extend(model.model.embed_tokens(args[0]), *args[1:])
-    graph_out = draft(*args, torch.randint(0, 3, (n, t)))  # depth: one step of the layer whatever it is
+    graph_out = draft(*args, torch.randint(0, 3, (n, t)), torch.randint(-1, 96, (n, t, 2)))  # depth, previous: unread
     for a, b in zip(graph_out, (out, layer.logits(out), layer.draft_vocab, keys, values)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -253,7 +262,8 @@ def test_the_draft_graph_padded_to_its_bucket_equals_the_call(saved_draft, n, t,
     mask[..., s:] = torch.ones(t, t, dtype=torch.bool).tril()
     inputs = dict(tokens=torch.randint(0, 96, (n, t)), states=torch.randn(n, t, 32),
                   positions=torch.tensor(lengths)[:, None] + torch.arange(t), past_keys=torch.randn(n, kv, s, d),
-                  past_values=torch.randn(n, kv, s, d), mask=mask, depth=torch.randint(0, 2, (n, t)))  # fmt: skip
+                  past_values=torch.randn(n, kv, s, d), mask=mask, depth=torch.randint(0, 2, (n, t)),
+                  previous=torch.randint(-1, 96, (n, t, 2)))  # fmt: skip
     plain = program.draft(**inputs)
     padded = call_in_buckets(program.draft.spec, inputs, lambda bucket, padded_inputs: program.draft.run(padded_inputs))
     for name, a, b in zip(program.draft.spec.output_names, padded, plain):
@@ -439,6 +449,40 @@ class _CountedDraft:
     def __call__(self, *args):
         self.calls += 1
         return self.draft(*args)
+
+
+@torch.no_grad()
+def test_every_token_a_call_hands_the_draft_comes_with_the_two_before_it(trained):
+    """`previous` in every draft call: for an appended token, the two committed tokens before it (-1
+    before the first); for a drafted token, its path's two before it, the root and the committed token
+    before the root included; after a verify step, the accepted tokens' own predecessors."""
+    from specpass.drafters.feature import Feature, FeatureSession
+    from specpass.drafters.tree import DraftTree
+
+    draft, tokens, features = _session_parts(trained, 6)
+    calls = []
+
+    class _Recorded(_CountedDraft):
+        def __call__(self, *args):
+            calls.append((args[0].tolist(), args[-1].tolist()))  # tokens [N, T], previous [N, T, 2]
+            return super().__call__(*args)
+
+    session = FeatureSession(Feature(top_k=3, beam=2, depth=3), _Recorded(draft), tokens[:6],
+                             _target_forward(features[:6], [0] * 5 + [tokens[6]]))  # fmt: skip
+    sequence = [-1, -1, *tokens[:7]]  # the prompt and the root, two -1 before them
+    FeatureSession.draft_rows([session])
+    appended, previous = calls[0]
+    assert appended[0] == sequence[3:9] and previous[0] == [sequence[i + 1 : i + 3] for i in range(6)]
+    for drafted, before in calls[1:]:  # each expanded path's last token, its path's two before it
+        paths = [path for path in session.table if len(path) > 1 and path[-1] in drafted[0]]
+        for token, pair in zip(drafted[0], before[0]):
+            assert pair in [list(((sequence[-2],) + p)[-3:-1]) for p in paths if p[-1] == token]
+    calls.clear()
+    session.observe(DraftTree.chain(tokens[6:8]), _target_forward(features[6:8], [tokens[7], tokens[8]]), [0, 1],
+                    tokens[:7])  # fmt: skip
+    FeatureSession.draft_rows([session])
+    appended, previous = calls[0]
+    assert appended[0] == tokens[7:9] and previous[0] == [tokens[5:7], tokens[6:8]]
 
 
 @torch.no_grad()
