@@ -234,22 +234,34 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from .research.heads_training import Continuation, TrainConfig, generate_corpus, train_heads
     from .models import load_model
     from .research.training_prompts import held_out_prompts, training_prompts
+    from .research.transfer_training import TransferTrainConfig, train_transfer
 
     given = {"prompts": args.prompts, "epochs": args.epochs, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
              "held_out": args.held_out, "draft_vocab": args.draft_vocab}  # fmt: skip
     kind = args.kind
-    if kind != "exit-adapter" and any(v is not None for v in (args.layer, args.blocks, args.inner_size)):
-        raise InvalidParameterError("--layer, --blocks and --inner-size are for --kind exit-adapter")
-    if kind not in ("medusa", "hydra") and args.heads is not None:
-        raise InvalidParameterError(f"--heads is for draft heads (--kind medusa or hydra), not --kind {kind}")
-    if kind not in ("feature", "clover") and any(v is not None for v in (args.chain_steps, args.sequences, args.resume)):
-        raise InvalidParameterError("--chain-steps, --sequences and --resume are for --kind feature or clover")
-    if kind == "exit-adapter":
+    if kind != "exit-adapter" and any(v is not None for v in (args.blocks, args.inner_size)):
+        raise InvalidParameterError("--blocks and --inner-size are for --kind exit-adapter")
+    if kind not in ("exit-adapter", "hidden-transfer") and args.layer is not None:
+        raise InvalidParameterError("--layer is for --kind exit-adapter or hidden-transfer")
+    if kind not in ("medusa", "hydra", "hidden-transfer") and args.heads is not None:
+        raise InvalidParameterError(f"--heads is for draft heads (--kind medusa or hydra) and pseudo tokens "
+                                    f"(--kind hidden-transfer), not --kind {kind}")  # fmt: skip
+    if kind not in _FEATURE_KINDS and any(v is not None for v in (args.chain_steps, args.resume)):
+        raise InvalidParameterError("--chain-steps and --resume are for --kind feature, clover or chimera")
+    if kind not in (*_FEATURE_KINDS, "hidden-transfer") and args.sequences is not None:
+        raise InvalidParameterError("--sequences is for --kind feature, clover, chimera or hidden-transfer")
+    if kind == "hidden-transfer":
+        if args.draft_vocab is not None:
+            raise InvalidParameterError("--draft-vocab is not for --kind hidden-transfer: its pseudo tokens decode "
+                                        "through the model's own LM head")  # fmt: skip
+        given = {k: v for k, v in given.items() if k != "draft_vocab"}
+        given |= {"layer": args.layer, "pseudo_tokens": args.heads, "sequences": args.sequences}
+        config_type = TransferTrainConfig
+    elif kind == "exit-adapter":
         given |= {"layer": args.layer, "blocks": args.blocks, "inner_size": args.inner_size}
         config_type = ExitTrainConfig
-    elif kind in ("feature", "clover"):
-        given |= {"steps": args.chain_steps, "sequences": args.sequences,
-                  "design": "clover" if kind == "clover" else "eagle3"}  # fmt: skip
+    elif kind in _FEATURE_KINDS:
+        given |= {"steps": args.chain_steps, "sequences": args.sequences, "design": _FEATURE_KINDS[kind]}
         config_type = FeatureTrainConfig
     else:
         given |= {"design": kind, "num_heads": args.heads}
@@ -269,6 +281,13 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
             torch.save([(c.tokens, c.start) for c in corpus], args.corpus)
     held_prompts = held_out_prompts(tokenizer, config.held_out)
     held_out = generate_corpus(model, held_prompts, config.max_new_tokens, layers=layers)
+    if kind == "hidden-transfer":
+        _, result, _ = train_transfer(model, corpus, held_out, config, out_dir=args.out)
+        print(f"wrote {args.out}: a hidden transfer of {result.pseudo_tokens} pseudo tokens into layer {result.layer} "
+              f"for model {result.model}")  # fmt: skip
+        for j, row in enumerate(result.accuracy, start=1):
+            print(f"  pseudo token {j}: held-out top-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f}")
+        return 0
     if kind == "exit-adapter":
         _, result, report = train_exit_adapter(model, corpus, held_out, config, out_dir=args.out)
         print(f"wrote {args.out}: an exit adapter after layer {result.layer} for model {result.model}, "
@@ -276,11 +295,12 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         print(f"  held-out top-1 agreement with the model: {report['adapter_agreement']:.3f} "
               f"(the plain exit after layer {result.layer}: {report['plain_exit_agreement']:.3f})")
         return 0
-    if kind in ("feature", "clover"):
+    if kind in _FEATURE_KINDS:
         if start is not None and start.config.design != config.design:
             raise InvalidParameterError(f"--resume {args.resume} holds a {start.config.design} draft, not --kind {kind}")
         _, draft, _ = train_feature_draft(model, corpus, held_out, config, layers, out_dir=args.out, start=start)
-        what = "a Clover draft" if kind == "clover" else f"a feature draft over layers {draft.feature_layers}"
+        what = {"eagle3": f"a feature draft over layers {draft.feature_layers}", "clover": "a Clover draft",
+                "chimera": f"a Chimera draft with {draft.parallel_heads} heads"}[draft.design]  # fmt: skip
         print(f"wrote {args.out}: {what} for model {draft.model}, a draft vocabulary of {draft.draft_vocab} tokens")
         for d, row in enumerate(draft.accuracy, start=1):
             print(f"  depth {d}: held-out top-1 {row[0]:.3f}, top-{len(row)} {sum(row):.3f}")
@@ -367,6 +387,7 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
 
 
 _RENAMED = {"eagle": "feature"}  # old choice -> its name now (the old one works until 0.2, with a note)
+_FEATURE_KINDS = {"feature": "eagle3", "clover": "clover", "chimera": "chimera"}  # --kind -> the feature draft's design
 
 
 def _rename(args: argparse.Namespace) -> None:
@@ -414,24 +435,28 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ORT/PyTorch comparison")
     exp.set_defaults(run=cmd_export)
     heads = sub.add_parser("train-heads", help="self-distil Medusa or Hydra draft heads, an exit adapter, a feature "
-                           "draft (EAGLE-3 style) or a Clover draft for a model")  # fmt: skip
+                           "draft (EAGLE-3 style), a Clover or a Chimera draft, or a hidden transfer for a model")  # fmt: skip
     heads.add_argument("model", nargs="?", help="a HF model directory or .gguf file (default: the embedded model)")
-    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter", "feature", "clover", *_RENAMED),
+    heads.add_argument("--kind", choices=("medusa", "hydra", "exit-adapter", *_FEATURE_KINDS, "hidden-transfer",
+                                          *_RENAMED),  # fmt: skip
                        default="medusa")  # fmt: skip
     heads.add_argument("--out", required=True,
                        help="output directory (heads, exit_adapter or feature_draft .safetensors + .json)")
-    heads.add_argument("--heads", type=int, help="number of heads K (default 4)")
-    heads.add_argument("--layer", type=int, help="exit-adapter: it reads the stream after layers [0, layer) (default 4)")
+    heads.add_argument("--heads", type=int, help="number of heads K (default 4); hidden-transfer: pseudo tokens (default 3)")
+    heads.add_argument("--layer", type=int, help="exit-adapter: it reads the stream after layers [0, layer) (default 4); "
+                       "hidden-transfer: the pseudo states enter this layer (default: two thirds of the layers)")
     heads.add_argument("--blocks", type=int, help="exit-adapter: residual MLP blocks (default 1)")
     heads.add_argument("--inner-size", type=int, help="exit-adapter: each block's MLP width (default 1536)")
     heads.add_argument("--chain-steps", type=int,
-                       help="feature, clover: draft steps trained at once on the draft's own states (default 4)")
+                       help="feature, clover, chimera: draft steps trained at once on the draft's own states "
+                       "(default 4; chimera: its heads)")  # fmt: skip
     heads.add_argument("--sequences", type=int,
-                       help="feature, clover: whole sequences per optimizer step (default 8; the GPU recipe 32)")
+                       help="feature, clover, chimera: whole sequences per optimizer step (default 8; the GPU recipe "
+                       "32); hidden-transfer (default 4)")  # fmt: skip
     heads.add_argument("--prompts", type=int,
                        help="training prompts (standard-library, networkx and sympy functions, code and chat; default 2000, "
-                       "feature and clover 1000)")
-    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2; feature and clover 4)")
+                       "feature, clover, chimera and hidden-transfer 1000)")
+    heads.add_argument("--epochs", type=int, help="passes over the corpus (default 2; feature, clover, chimera and hidden-transfer 4)")
     heads.add_argument("--max-new-tokens", type=int, help="length of each greedy continuation (default 128)")
     heads.add_argument("--seed", type=int, help="(default 0)")
     heads.add_argument("--held-out", type=int,
@@ -439,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--draft-vocab", type=int,
                        help="tokens the heads may propose: the most frequent of the corpus (default 8192; 0: all)")
     heads.add_argument("--resume", metavar="DIR",
-                       help="feature, clover: train this model's draft of that kind in DIR further (a new schedule of --epochs)")
+                       help="feature, clover, chimera: train this model's draft of that kind in DIR further (a new "
+                       "schedule of --epochs)")  # fmt: skip
     heads.add_argument("--corpus", help="file caching the generated training corpus (read if present, else written)")
     heads.add_argument("--device", default="cpu", help="where the model generates and the heads train: cpu or cuda")
     heads.set_defaults(run=cmd_train_heads)

@@ -1,5 +1,6 @@
 """Drafters feeding the tree verifier: training-free (prompt lookup, CopySpec, ADED, token recycling,
-suffix drafting), draft heads, a feature draft (EAGLE) and the model's own first layers (self-drafting)."""
+suffix drafting), draft heads, a feature draft (EAGLE, Clover, Chimera), Hidden Transfer's pseudo tokens and the
+model's own first layers (self-drafting)."""
 
 from .aded import Aded
 from .base import Combined, Drafter, PerRowDrafting, draft_row, observe_row
@@ -11,6 +12,7 @@ from .contract import (
 from .feature import Feature
 from .heads import Heads
 from .prompt_lookup import PromptLookup
+from .pseudo_tokens import PseudoTokens
 from .self_draft import SelfDraft
 from .suffix import Suffix
 from .token_recycling import TokenRecycling
@@ -38,6 +40,7 @@ __all__ = [
     "Drafter",
     "Feature",
     "PerRowDrafting",
+    "PseudoTokens",
     "RootsOnly",
     "RowsDrafting",
     "Heads",

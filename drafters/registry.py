@@ -9,6 +9,7 @@ from .copy_spec import CopySpec
 from .feature import Feature
 from .heads import Heads
 from .prompt_lookup import PromptLookup
+from .pseudo_tokens import PseudoTokens
 from .self_draft import SelfDraft
 from .suffix import Suffix
 from .token_recycling import TokenRecycling
@@ -28,6 +29,8 @@ DRAFTERS = {
     "heads-combined": lambda: Combined(Heads(), PromptLookup(), TokenRecycling()),
     "feature": Feature,  # a feature draft, EAGLE-2's dynamic tree (needs FeatureDraft in the pipeline)
     "feature-combined": lambda: Combined(Feature(), PromptLookup(), TokenRecycling()),
+    "pseudo-tokens": PseudoTokens,  # Hidden Transfer's pseudo tokens (needs HiddenTransfer in the pipeline)
+    "pseudo-tokens-combined": lambda: Combined(PseudoTokens(), PromptLookup(), TokenRecycling()),
     "self-draft": SelfDraft,  # the model's first layers (needs EarlyExit or LayerSkip in the pipeline)
     "self-draft-adaptive": lambda: SelfDraft(adaptive=True),  # its chain depth chosen each step, 0: off
     "self-draft-combined": lambda: Combined(SelfDraft(adaptive=True), PromptLookup(), TokenRecycling()),

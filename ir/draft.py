@@ -6,8 +6,9 @@ read only the spec. Invariants: adding it leaves the verify graph untouched, exc
 declares (`add_step_output`, named in `gm.meta[STEP_OUTPUTS_META]`; the outputs before them stay bit for
 bit); its inputs and outputs are exactly the spec's; weights it shares are the step's own modules. It is
 called by rows (every input's first dimension is the row count N; it reads no cache) or as a step
-(`shares_cache`: the step's own inputs for its tokens, writing the step's cache for its layers, with a
-resume graph, RESUME_MODULE, that finishes the other layers from its hidden state).
+(`shares_cache`: the step's own inputs for its tokens, writing the step's cache for its layers; a
+self-draft's comes with a resume graph, RESUME_MODULE, that finishes the other layers from its hidden
+state).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ DRAFT_STATES = "draft_states"  # a declared output the drafters read in place of
 ROWS = "N"  # the dynamic row dimension of a draft graph's inputs and outputs
 # draft-graph kinds (DraftGraphSpec.kind): which drafter drives the graph, and which rewrite adds it
 HEADS_KIND = "heads"  # drafters.Heads (rewrites.DraftHeads)
+HIDDEN_TRANSFER_KIND = "hidden-transfer"  # drafters.PseudoTokens (rewrites.HiddenTransfer)
 FEATURE_KIND = "feature"  # drafters.Feature (rewrites.FeatureDraft)
 EARLY_EXIT_KIND = "early-exit"  # drafters.SelfDraft (rewrites.EarlyExit, rewrites.LayerSkip)
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
@@ -140,8 +142,8 @@ def attach_draft(gm: torch.fx.GraphModule, draft: torch.fx.GraphModule, spec: Dr
                  resume: torch.fx.GraphModule | None = None) -> None:  # fmt: skip
     """Add `draft` to the step as its draft graph described by `spec` (and a cache-sharing draft's
     resume graph)."""
-    if spec.shares_cache != (resume is not None):
-        raise ValueError("a draft graph that shares the cache comes with a resume graph, and only such a one")
+    if resume is not None and not spec.shares_cache:
+        raise ValueError("a resume graph comes only with a draft graph that shares the cache")
     gm.add_submodule(DRAFT_MODULE, draft)
     if resume is not None:
         gm.add_submodule(RESUME_MODULE, resume)

@@ -12,7 +12,7 @@ import torch.fx
 
 from ..common.errors import GraphVerificationError
 from . import query
-from .draft import draft_graph, draft_spec, resume_graph
+from .draft import EARLY_EXIT_KIND, draft_graph, draft_spec, resume_graph
 from .roles import META_KEY, Role, info, placeholder
 
 REQUIRED_INPUTS = ("input_ids", "positions", "kv_len")
@@ -60,7 +60,8 @@ def _lint(graph: torch.fx.Graph, what: str) -> None:
 
 def _verify_draft(gm: torch.fx.GraphModule) -> None:
     """A draft graph (ir.draft) and its spec come together; the graph lints, is annotated and takes
-    exactly the spec's inputs, in order; a cache-sharing one comes with a linted, annotated resume graph."""
+    exactly the spec's inputs, in order; a resume graph (linted, annotated) comes only with a cache-sharing
+    one, and always with a self-draft's."""
     draft, spec = draft_graph(gm), draft_spec(gm)
     if draft is None and spec is None:
         return
@@ -74,8 +75,10 @@ def _verify_draft(gm: torch.fx.GraphModule) -> None:
     if inputs != spec.input_names:
         _fail(f"the draft graph's inputs are {list(inputs)}, its spec declares {list(spec.input_names)}")
     resume = resume_graph(gm)
-    if spec.shares_cache != (resume is not None):
-        _fail("a draft graph that shares the KV cache comes with a resume graph, and only such a one")
+    if resume is not None and not spec.shares_cache:
+        _fail("a resume graph comes only with a draft graph that shares the KV cache")
+    if resume is None and spec.kind == EARLY_EXIT_KIND:
+        _fail("a self-draft's draft graph comes with a resume graph (the verify step resumes from its states)")
     if resume is not None:
         _lint(resume.graph, "resume graph")
         if any(META_KEY not in node.meta for node in resume.graph.nodes):

@@ -106,10 +106,10 @@ def random_draft(draft, std: float = 0.3, seed: int = 0):
     return draft.eval()
 
 
-def check_drafting_equals_hf_greedy(model, corpus, pipeline, alone, combined) -> None:
+def check_drafting_equals_hf_greedy(model, corpus, pipeline, alone, combined, min_tau: float = 1.5) -> None:
     """Greedy with `alone` and with `combined` (the same drafter in a combined tree) under `pipeline` equals
     HF greedy token for token on three prompts of `corpus` (where a trained draft drafts well: tau >
-    1.5) and on two unseen ones; a batch of rows of different lengths equals each row alone."""
+    min_tau) and on two unseen ones; a batch of rows of different lengths equals each row alone."""
     import specpass
 
     prompts = [c.tokens[: c.start + 1][None] for c in corpus[:3]]
@@ -123,7 +123,7 @@ def check_drafting_equals_hf_greedy(model, corpus, pipeline, alone, combined) ->
                                        eos_token_id=None)  # fmt: skip
             assert torch.equal(out.sequences, reference)
             taus.append(out.stats.tau)
-    assert min(taus[:3]) > 1.5, taus
+    assert min(taus[:3]) > min_tau, taus
     program = specpass.compile_program(model, {"pipeline": pipeline, "drafter": alone, "cache_size": 96,
                                               "budget": 12}, rows=3)  # fmt: skip
     rows = [prompts[0], prompts[3], prompts[4]]  # 6, 5 and 11 tokens
@@ -436,9 +436,9 @@ def pytest_configure(config):
 # long file alone at the end.
 LONGEST_FILES = ("test_onnx.py", "test_batch.py", "test_generate.py", "test_invariance.py", "test_sampling.py",
                  "test_kv_eviction.py", "test_tensor_parallel.py", "test_hf_hook.py", "test_gguf_lowering.py",
-                 "test_gguf_compiled.py", "test_multi_candidate.py", "test_heads.py", "test_families.py",
+                 "test_gguf_compiled.py", "test_multi_candidate.py", "test_heads.py", "test_draft_designs.py", "test_families.py",
                  "test_program_state.py", "test_mixture.py", "test_property.py", "test_readme.py", "test_early_exit.py",
-                 "test_exit_adapter.py", "test_sparse_attention.py", "test_suffix.py", "test_models.py", "test_feature_draft.py", "test_layer_skip.py",
+                 "test_exit_adapter.py", "test_hidden_transfer.py", "test_sparse_attention.py", "test_suffix.py", "test_models.py", "test_feature_draft.py", "test_layer_skip.py",
                  "test_lazy_llm.py", "test_lowering.py", "test_lowering_rewrites.py", "test_streaming.py", "test_ladder_residual.py", "test_trim_kv.py")  # 250 s down to 20 s each (2026-12-06); the others take < 20 s  # fmt: skip
 
 
