@@ -160,7 +160,9 @@ def test_feature_draft_graph_replayed_in_buckets_equals_the_eager_graph(feature_
         inputs = dict(tokens=torch.randint(0, 96, (n, t), generator=gen), states=torch.randn(n, t, 32, generator=gen),
                       positions=s + torch.arange(t).expand(n, t),
                       past_keys=torch.randn(n, config.num_kv_heads, s, config.head_dim, generator=gen),
-                      past_values=torch.randn(n, config.num_kv_heads, s, config.head_dim, generator=gen), mask=mask)  # fmt: skip
+                      past_values=torch.randn(n, config.num_kv_heads, s, config.head_dim, generator=gen), mask=mask,
+                      depth=torch.randint(0, 3, (n, t), generator=gen),
+                      previous=torch.randint(-1, 96, (n, t, 2), generator=gen))  # fmt: skip
         inputs = {name: value.cuda() for name, value in inputs.items()}
         for name, a, b in zip(program.draft.spec.output_names, program.draft(**inputs), replayed.eager.run_graph(inputs)):
             assert a.shape == b.shape, name
