@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -68,16 +69,15 @@ class FeatureSession(DraftSession):
         empty = features.new_zeros(1, layer.num_kv_heads, 0, layer.head_dim)
         self.keys, self.values = empty, empty  # [1, nkv, S, d]: step 0 at every committed position
         self.root = int(prefill.choices[-1])
-        # the tokens to append, their features [n, H], and the two committed tokens before them
-        self.pending: tuple[list[int], torch.Tensor, list[int]] | None = ([*prompt[1:], self.root], features,
-                                                                          _last_two(prompt[:1]))  # fmt: skip
+        self.pending: _Pending | None = _Pending([*prompt[1:], self.root], features, _last_two(prompt[:1]))
         self.before_root = -1  # the committed token before the root (-1: none)
         self.state = self.logits = self.vocab = None  # [H], [D], [D]: the cache's last output
         self.table: dict[tuple[int, ...], list] | None = None  # drafted by draft_rows, not yet handed out
 
     def observe(self, tree: DraftTree, verified: TargetForward, path: Sequence[int], tokens: Sequence[int]) -> None:
         bonus = int(verified.choices[path[-1]])
-        self.pending = (tree.tokens[list(path[1:])].tolist() + [bonus], verified.hidden[list(path)], _last_two(tokens))
+        accepted = tree.tokens[list(path[1:])].tolist()
+        self.pending = _Pending(accepted + [bonus], verified.hidden[list(path)], _last_two(tokens))
         self.root, self.table = bonus, None
 
     def candidates(self, tokens: Sequence[int]):
@@ -105,6 +105,13 @@ class FeatureSession(DraftSession):
         return self.vocab[top.indices].tolist(), top.values.tolist()
 
 
+class _Pending(NamedTuple):
+    """What the next drafting appends to a session's draft cache."""
+
+    tokens: list[int]  # the committed tokens, each x[s+1] of a position s not yet in the cache
+    features: torch.Tensor  # [n, H]: the target's states at those positions
+    before: list[int]  # the two committed tokens before tokens[0] (-1: none)
+
 
 def _last_two(tokens: Sequence[int]) -> list[int]:
     """The last two of `tokens`, -1 for each missing."""
@@ -130,22 +137,22 @@ def _append_rows(sessions: Sequence[FeatureSession]) -> None:
     if not sessions:
         return
     keys, values, lengths = _padded_caches(sessions)
-    counts = [len(s.pending[0]) for s in sessions]
+    counts = [len(s.pending.tokens) for s in sessions]
     rows, cached, n = len(sessions), keys.shape[2], max(counts)
     device = keys.device
     mask = np.zeros((rows, n, cached + n), dtype=bool)
     tokens = np.zeros((rows, n), dtype=np.int64)
     previous = np.full((rows, n, 2), -1, dtype=np.int64)
     positions = np.zeros((rows, n), dtype=np.int64)
-    features = keys.new_zeros(rows, n, sessions[0].pending[1].shape[-1])  # [R, n, H]
+    features = keys.new_zeros(rows, n, sessions[0].pending.features.shape[-1])  # [R, n, H]
     for r, (s, length, count) in enumerate(zip(sessions, lengths, counts)):
         mask[r, :, :length] = True
         mask[r, :, cached : cached + n] = np.tril(np.ones((n, n), dtype=bool))
-        sequence = np.array(s.pending[2] + s.pending[0], dtype=np.int64)  # the two before, then the new tokens
+        sequence = np.array(s.pending.before + s.pending.tokens, dtype=np.int64)  # the two before, then the new ones
         tokens[r, :count] = sequence[2:]
         previous[r, :count] = np.stack((sequence[:count], sequence[1 : count + 1]), -1)
         positions[r] = np.arange(length, length + n)
-        features[r, :count] = s.pending[1]
+        features[r, :count] = s.pending.features
         s.before_root = int(sequence[-2])
     states, logits, vocab, keys, values = sessions[0].draft(
         torch.from_numpy(tokens).to(device), features, torch.from_numpy(positions).to(device), keys, values,

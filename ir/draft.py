@@ -155,6 +155,8 @@ def trace_draft(module: nn.Module, roles: dict[str, Role]) -> torch.fx.GraphModu
     targets) get that role, placeholders INPUT, the output OUTPUT, every other node DRAFT."""
     graph = torch.fx.Tracer().trace(module)
     draft = torch.fx.GraphModule(module, graph, class_name="DraftGraph")
+    draft.graph.eliminate_dead_code()  # what the module computes and never reads (an input a design ignores)
+    draft.recompile()
     for node in draft.graph.nodes:
         role = Role.DRAFT
         if node.op == "placeholder":

@@ -171,11 +171,16 @@ def test_cli_refuses_options_of_other_kinds(capsys):
     from specpass.cli import main
 
     for args, message in ((("--kind", "feature", "--heads", "3"), "--heads is for draft heads"),
-                          (("--kind", "hydra", "--chain-steps", "3"), "--chain-steps, --sequences and --resume are for"),
-                          (("--kind", "hydra", "--sequences", "32"), "--chain-steps, --sequences and --resume are for"),
-                          (("--kind", "medusa", "--resume", "unused"), "--chain-steps, --sequences and --resume are for"),
+                          (("--kind", "hydra", "--chain-steps", "3"), "--chain-steps and --resume are for"),
+                          (("--kind", "hydra", "--sequences", "32"), "--sequences is for --kind feature"),
+                          (("--kind", "medusa", "--resume", "unused"), "--chain-steps and --resume are for"),
                           (("--kind", "feature", "--sequences", "0"), "sequences must be a positive int"),
-                          (("--kind", "feature", "--chain-steps", "0"), "steps must be a positive int")):  # fmt: skip
+                          (("--kind", "feature", "--chain-steps", "0"), "steps must be a positive int"),
+                          (("--kind", "chimera", "--layer", "3"), "--layer is for --kind exit-adapter or hidden-transfer"),
+                          (("--kind", "hidden-transfer", "--chain-steps", "3"), "--chain-steps and --resume are for"),
+                          (("--kind", "hidden-transfer", "--blocks", "2"), "--blocks and --inner-size are for"),
+                          (("--kind", "hidden-transfer", "--draft-vocab", "100"), "through the model's own LM head"),
+                          (("--kind", "hidden-transfer", "--heads", "0"), "pseudo_tokens must be a positive int")):  # fmt: skip
         assert main(["train-heads", "--out", "unused", *args]) == 2
         assert message in capsys.readouterr().err
     # the feature draft's old name still works for one release, with a note: here it reaches the same refusal

@@ -5,7 +5,8 @@ runs (`ir.draft.sample_inputs`), the dynamic named dimensions of every input, th
 the buffers ORT writes into. For draft heads (rewrites.DraftHeads) that is hidden [N, H], tokens
 [N, K], head [N] -> logits [N, D], vocab [D]. A feature draft (rewrites.FeatureDraft) has a KV cache
 of its own, an input and an output as the step's is: tokens, states, positions [N, T(, H)], past_keys
-/ past_values [N, nkv, S, d], mask [N, T, S + T] -> new_states, logits [N, T, D], vocab, keys / values
+/ past_values [N, nkv, S, d], mask [N, T, S + T], depth [N, T], previous [N, T, 2] -> new_states,
+logits [N, T, D], vocab, keys / values
 [N, nkv, S + T, d], with N, T and S dynamic. Weights the draft graph shares with the step (the LM
 head or its rows, the embedding) are stored again in draft.onnx: an ONNX model is one graph.
 """
